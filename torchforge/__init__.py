@@ -1,0 +1,43 @@
+"""torchforge: fast, trustworthy data loading and checkpoints for PyTorch.
+
+Names are imported lazily so that ``import torchforge`` stays cheap and never imports optional
+packages (MosaicML Streaming in particular).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Checkpointer": "torchforge.checkpoint",
+    "DataLoader": "torchforge.loader",
+    "GlobalSampler": "torchforge.sampler",
+    "IterableShards": "torchforge.sampler",
+    "JinxDataset": "torchforge.datasets.jinx",
+    "JinxWriter": "torchforge.formats.jinx",
+    "MDSDataset": "torchforge.datasets.mds",
+    "MDSWriter": "torchforge.formats.mds",
+    "SafetensorsDataset": "torchforge.datasets.safetensors",
+    "TorchforgeError": "torchforge.errors",
+    "load_safetensors": "torchforge.formats.safetensors",
+    "open_dataset": "torchforge.datasets.base",
+    "register_format": "torchforge.datasets.base",
+    "save_safetensors": "torchforge.formats.safetensors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'torchforge' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
