@@ -1,0 +1,68 @@
+"""Conversions: JSONL sources, MDS column inference, and round trips between formats."""
+import gzip
+
+import numpy as np
+import orjson
+import pytest
+import torch
+import zstandard
+
+from torchforge.convert import ConversionStats, infer_mds_columns, iter_jsonl
+from torchforge.errors import FormatError
+
+ROWS = [{"id": i, "text": f"héllo {i} 漢字", "tags": ["a"] * (i % 3), "score": i / 7} for i in range(50)]
+
+
+def _jsonl_bytes(rows, bad_every=0):
+    out = []
+    for i, r in enumerate(rows):
+        out.append(orjson.dumps(r))
+        if bad_every and i % bad_every == 0:
+            out.append(b'{"id": 1, "text": "unterminated')  # malformed
+            out.append(b"[1, 2, 3]")  # valid JSON, not an object
+            out.append(b"")  # blank: ignored, not counted
+    return b"\n".join(out) + b"\n"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst"])
+def test_iter_jsonl_skips_and_counts_malformed_lines(tmp_path, suffix):
+    raw = _jsonl_bytes(ROWS, bad_every=10)
+    data = {".jsonl": raw, ".jsonl.gz": gzip.compress(raw),
+            ".jsonl.zst": zstandard.ZstdCompressor().compress(raw)}[suffix]
+    p = tmp_path / f"rows{suffix}"
+    p.write_bytes(data)
+    stats = ConversionStats()
+    got = list(iter_jsonl(str(p), stats))
+    assert got == ROWS
+    assert stats.skipped == 10  # 5 malformed + 5 non-objects
+    first = stats.skipped_where[0]
+    assert f"{p}:2 (byte " in first and "not JSON" in first
+    # the reported byte offset is where the bad line starts in the uncompressed stream
+    off = int(first.split("(byte ")[1].split(")")[0])
+    assert raw[off:].startswith(b'{"id": 1, "text": "unterminated')
+
+
+def test_infer_mds_columns_kinds():
+    rows = [{"i": 1, "f": 0.5, "s": "x", "b": b"\x00", "j": {"a": [1, None]}, "n": None,
+             "a": np.zeros((2, 3), np.float32), "v": np.zeros(i + 1, np.int16), "x": np.float16(1),
+             "t": torch.ones(4, dtype=torch.int64), "big": 2**70, "flag": True}
+            for i in range(3)]
+    cols = infer_mds_columns(rows)
+    assert cols == {"i": "int", "f": "float64", "s": "str", "b": "bytes", "j": "json", "n": "json",
+                    "a": "ndarray:float32:2,3", "v": "ndarray:int16", "x": "float16",
+                    "t": "ndarray:int64:4", "big": "json", "flag": "json"}
+
+
+def test_infer_mds_columns_mixed_json_kinds_become_json():
+    assert infer_mds_columns([{"k": 1}, {"k": "one"}, {"k": None}]) == {"k": "json"}
+
+
+@pytest.mark.parametrize("rows, field", [
+    ([{"id": 1, "meta": {"blob": b"\x01"}}], "meta.blob"),
+    ([{"id": 1, "m": [{"x": np.zeros(2)}]}], "m[0].x"),
+    ([{"id": 1, "k": b"x"}, {"id": 2, "k": "text"}], "'k' mixes kinds"),
+    ([{"id": 1, "k": 1}, {"id": 2}], "same columns"),
+])
+def test_infer_mds_columns_refuses_naming_the_field(rows, field):
+    with pytest.raises(FormatError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        infer_mds_columns(rows)

@@ -1,0 +1,236 @@
+"""The ``torchforge`` command: convert, inspect, verify and bench datasets.
+
+Exit codes: 0 success, 1 damaged data (``verify``) or a failed command, 2 bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from torchforge.errors import TorchforgeError
+
+__all__ = ["main"]
+
+
+def _num(text: str) -> Any:
+    """Parse a writer option value: int, float, null/none, true/false, else the string."""
+    low = text.lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _materialize(sample: Any) -> Any:
+    m = getattr(sample, "materialize", None)
+    return m() if callable(m) else sample
+
+
+def _describe(value: Any) -> str:
+    import numpy as np
+    import torch
+
+    if isinstance(value, np.ndarray):
+        return f"ndarray {value.dtype} {list(value.shape)}"
+    if isinstance(value, torch.Tensor):
+        return f"tensor {str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "bytes"
+    if isinstance(value, np.generic):
+        return value.dtype.name
+    return type(value).__name__
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from torchforge.convert import convert
+
+    options = dict(kv.split("=", 1) for kv in args.option)
+    options = {k.replace("-", "_"): _num(v) for k, v in options.items()}
+    if args.columns:
+        options["columns"] = json.loads(args.columns)
+    if (os.path.isdir(args.dst) and os.listdir(args.dst)) or os.path.isfile(args.dst):
+        if not args.overwrite:
+            print(f"torchforge convert: {args.dst} exists and is not empty; pass --overwrite", file=sys.stderr)
+            return 2
+        import shutil
+
+        shutil.rmtree(args.dst) if os.path.isdir(args.dst) else os.remove(args.dst)
+    t0 = time.perf_counter()
+    stats = convert(args.src, args.dst, args.to, progress=not args.quiet, **options)
+    dt = time.perf_counter() - t0
+    print(f"wrote {stats.written} samples to {args.dst} ({args.to}) in {dt:.2f}s "
+          f"({stats.written / max(dt, 1e-9):,.0f} samples/s); skipped {stats.skipped} malformed records")
+    for where in stats.skipped_where:
+        print(f"  skipped {where}")
+    return 0
+
+
+def _dataset_info(path: str) -> dict[str, Any]:
+    from torchforge.datasets.base import open_dataset
+
+    ds = open_dataset(path)
+    files = ds.shard_files()
+    info: dict[str, Any] = {
+        "path": path,
+        "format": ds.format_name,
+        "samples": len(ds),
+        "files": len(files),
+        "bytes": sum(os.path.getsize(f) for f in files),
+    }
+    extra = getattr(ds, "info", None)
+    if callable(extra):
+        info.update(extra())
+    if len(ds) and "fields" not in info:
+        first = _materialize(ds[0])
+        if isinstance(first, dict):
+            info["fields"] = {k: _describe(v) for k, v in first.items()}
+    info["shards"] = [{"file": os.path.relpath(f, path if os.path.isdir(path) else os.path.dirname(path)),
+                       "bytes": os.path.getsize(f)} for f in files]
+    return info
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    info = _dataset_info(args.path)
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
+    shards = info.pop("shards")
+    for k, v in info.items():
+        if isinstance(v, dict):
+            print(f"{k}:")
+            for kk, vv in v.items():
+                print(f"  {kk}: {vv}")
+        else:
+            print(f"{k}: {v}")
+    print("shard files:")
+    for s in shards[: args.max_shards]:
+        print(f"  {s['file']}  {s['bytes']:,} bytes")
+    if len(shards) > args.max_shards:
+        print(f"  ... {len(shards) - args.max_shards} more")
+    return 0
+
+
+def verify_dataset(path: str) -> tuple[int, list[str]]:
+    """Open ``path`` and decode every sample; run the format's own checks (checksums) where it has them.
+
+    Returns:
+        (samples checked, problems), each problem naming the file and byte offset.
+    """
+    from torchforge.datasets.base import open_dataset
+
+    problems: list[str] = []
+    try:
+        ds = open_dataset(path)
+        own = getattr(ds, "verify", None)
+        if callable(own):
+            problems += [str(p) for p in (own() or [])]
+    except TorchforgeError as e:
+        return 0, [str(e)]
+    checked = 0
+    for i in range(len(ds)):
+        try:
+            _materialize(ds[i])
+            checked += 1
+        except TorchforgeError as e:
+            problems.append(f"sample {i}: {e}")
+    return checked, problems
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    checked, problems = verify_dataset(args.path)
+    for p in problems:
+        print(f"DAMAGED {p}")
+    print(f"{args.path}: {checked} samples decoded, {len(problems)} problems")
+    return 1 if problems else 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from torchforge.datasets.base import open_dataset
+
+    ds = open_dataset(args.path)
+    n = min(len(ds), args.limit) if args.limit else len(ds)
+    field = args.field
+    rows = []
+
+    def run(name: str, order: Sequence[int] | np.ndarray, setup_s: float = 0.0) -> None:
+        t0 = time.perf_counter()
+        for i in order:
+            s = ds[int(i)]
+            if field is not None:
+                s[field]
+        dt = time.perf_counter() - t0 + setup_s
+        rows.append((name, len(order), len(order) / max(dt, 1e-9)))
+
+    run("iterate", range(n))
+    rng = np.random.default_rng(args.seed)
+    run("shuffle", rng.permutation(len(ds))[:n])
+    if args.sort_key:
+        t0 = time.perf_counter()
+        order = np.argsort(ds.keys(args.sort_key, cache=False), kind="stable")[:n]
+        run("sort", order, setup_s=time.perf_counter() - t0)  # the key pass counts
+    print(f"{args.path} ({ds.format_name}, {len(ds)} samples)")
+    for name, cnt, rate in rows:
+        print(f"  {name:8s} {cnt:>9d} samples  {rate:>12,.0f} samples/s")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="torchforge", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("convert", help="convert JSONL/Parquet/JINX/MDS/safetensors into another format")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--to", required=True, choices=["jinx", "mds", "safetensors"])
+    c.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a writer option, e.g. -o compression=zst -o shard_size=67108864")
+    c.add_argument("--columns", help="MDS columns as JSON, e.g. '{\"id\": \"int\"}' (default: inferred)")
+    c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_convert)
+
+    i = sub.add_parser("inspect", help="format, shards, sample count, fields and their encodings")
+    i.add_argument("path")
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--max-shards", type=int, default=10)
+    i.set_defaults(func=cmd_inspect)
+
+    v = sub.add_parser("verify", help="check every footer, index, offset, sidecar range and checksum")
+    v.add_argument("path")
+    v.set_defaults(func=cmd_verify)
+
+    b = sub.add_parser("bench", help="iterate, shuffle and sort samples/s on your own data")
+    b.add_argument("path")
+    b.add_argument("--field", help="field to touch in each sample (default: none)")
+    b.add_argument("--sort-key", help="field to sort by (default: no sort pass)")
+    b.add_argument("--limit", type=int, default=0, help="samples per pass (default: all)")
+    b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except TorchforgeError as e:
+        print(f"torchforge {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

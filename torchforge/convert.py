@@ -1,0 +1,277 @@
+"""Conversions between JSONL, Parquet, JINX, MDS and safetensors shards, streaming with bounded memory.
+
+``convert(src, dst, to="jinx")`` reads any supported source one sample at a time and writes it with the
+target format's writer. Malformed JSONL lines are skipped, counted and reported, never fatal.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from torchforge.errors import FormatError, TorchforgeError
+
+__all__ = ["ConversionStats", "convert", "infer_mds_columns", "iter_jsonl", "open_source"]
+
+log = logging.getLogger(__name__)
+TARGETS = ("jinx", "mds", "safetensors")
+
+
+@dataclass
+class ConversionStats:
+    """What a conversion did: samples written, lines skipped (with where), and the output path."""
+
+    written: int = 0
+    skipped: int = 0
+    skipped_where: list[str] = field(default_factory=list)
+    out: str = ""
+
+    def skip(self, where: str, why: str) -> None:
+        self.skipped += 1
+        if len(self.skipped_where) < 20:
+            self.skipped_where.append(f"{where}: {why}")
+        log.warning("skipped malformed record at %s: %s", where, why)
+
+
+# --- sources ----------------------------------------------------------------------------------------
+def _open_text_stream(path: str) -> io.BufferedIOBase:
+    raw = open(path, "rb")
+    if path.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw)
+    if path.endswith((".zst", ".zstd")):
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+    return raw
+
+
+def iter_jsonl(path: str, stats: ConversionStats | None = None) -> Iterator[dict]:
+    """Yield one dict per line of a JSONL file (plain, ``.gz`` or ``.zst``).
+
+    A line that is not a JSON object is skipped and recorded in ``stats`` with its line number and byte
+    offset (in the uncompressed stream); blank lines are ignored.
+    """
+    stats = stats if stats is not None else ConversionStats()
+    offset = 0
+    with _open_text_stream(path) as f:
+        for lineno, line in enumerate(f, 1):
+            start, offset = offset, offset + len(line)
+            if not line.strip():
+                continue
+            try:
+                obj = orjson.loads(line)
+            except orjson.JSONDecodeError as e:
+                stats.skip(f"{path}:{lineno} (byte {start})", f"not JSON ({e})")
+                continue
+            if not isinstance(obj, dict):
+                stats.skip(f"{path}:{lineno} (byte {start})", f"a JSON {type(obj).__name__}, not an object")
+                continue
+            yield obj
+
+
+def _iter_parquet(path: str) -> Iterator[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise TorchforgeError("reading Parquet needs pyarrow: pip install 'torchforge[parquet]'", path=path) from e
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(path, f) for f in os.listdir(path) if f.endswith(".parquet"))
+    for f in files:
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
+
+
+def _materialize(sample: Any) -> Any:
+    m = getattr(sample, "materialize", None)
+    return m() if callable(m) else sample
+
+
+def detect_source(path: str) -> str:
+    """Name the kind of a source path: ``jsonl``, ``parquet`` or a dataset format (``jinx``, ``mds``...)."""
+    base = path.lower()
+    if os.path.isfile(path) and base.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".jsonl.zstd",
+                                              ".ndjson")):
+        return "jsonl"
+    if base.endswith(".parquet") or (os.path.isdir(path) and any(f.endswith(".parquet") for f in os.listdir(path))):
+        return "parquet"
+    from torchforge.datasets.base import open_dataset
+
+    return open_dataset(path).format_name
+
+
+def open_source(path: str) -> tuple[str, Callable[[ConversionStats], Iterable[Any]]]:
+    """Return the source kind and a function that starts a fresh pass over its plain samples.
+
+    The pass function takes the :class:`ConversionStats` that records skipped records.
+    """
+    kind = detect_source(path)
+    if kind == "jsonl":
+        return kind, lambda stats: iter_jsonl(path, stats)
+    if kind == "parquet":
+        return kind, lambda stats: _iter_parquet(path)
+    from torchforge.datasets.base import open_dataset
+
+    return kind, lambda stats: (_materialize(s) for s in open_dataset(path))
+
+
+# --- MDS column inference ---------------------------------------------------------------------------
+_NP_SCALARS = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+               "float16", "float32", "float64"}
+
+
+def _json_problem(v: Any, where: str) -> str | None:
+    """Why ``v`` cannot be stored in an MDS ``json`` column (None when it can)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return None
+    if isinstance(v, Mapping):
+        for k, x in v.items():
+            p = _json_problem(x, f"{where}.{k}")
+            if p:
+                return p
+        return None
+    if isinstance(v, (list, tuple)):
+        for j, x in enumerate(v):
+            p = _json_problem(x, f"{where}[{j}]")
+            if p:
+                return p
+        return None
+    return f"{where} holds {type(v).__name__}, which an MDS json column cannot hold"
+
+
+def _kind(v: Any) -> tuple:
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        v = v.numpy()
+    if isinstance(v, bool):
+        return ("json",)
+    if isinstance(v, str):
+        return ("str",)
+    if isinstance(v, int):
+        return ("int",) if -(2**63) <= v < 2**63 else ("json",)
+    if isinstance(v, float):
+        return ("float64",)
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return ("bytes",)
+    if isinstance(v, np.generic) and v.dtype.name in _NP_SCALARS:
+        return (v.dtype.name,)
+    if isinstance(v, np.ndarray):
+        return ("ndarray", v.dtype.name, v.shape)
+    return ("json",)
+
+
+def infer_mds_columns(samples: Iterable[Any]) -> dict[str, str]:
+    """One pass over plain samples to choose an MDS encoding per field, or refuse with the field named.
+
+    Raises:
+        FormatError: a field MDS cannot hold (nested bytes or arrays, mixed kinds, missing in a sample).
+    """
+    kinds: dict[str, set] = {}
+    names: list[str] | None = None
+    for i, s in enumerate(samples):
+        if not isinstance(s, Mapping):
+            raise FormatError(f"sample {i} is a {type(s).__name__}, MDS needs a mapping of columns")
+        if names is None:
+            names = list(s)
+            kinds = {k: set() for k in names}
+        elif set(s) != set(names):
+            raise FormatError(f"sample {i} has fields {sorted(s)} but sample 0 has {sorted(names)}: every MDS "
+                              "sample needs the same columns")
+        for k, v in s.items():
+            kind = _kind(v)
+            if kind == ("json",):
+                p = _json_problem(v, k)
+                if p:
+                    raise FormatError(f"field {k!r} cannot be converted to MDS (sample {i}): {p}")
+            kinds[k].add(kind)
+    cols = {}
+    for k in names or []:
+        ks = kinds[k]
+        heads = {x[0] for x in ks}
+        if len(heads) == 1 and len(ks) == 1:
+            (kind,) = ks
+            cols[k] = kind[0] if kind[0] != "ndarray" else f"ndarray:{kind[1]}:{','.join(map(str, kind[2]))}"
+            if kind[0] == "ndarray" and not kind[2]:
+                cols[k] = f"ndarray:{kind[1]}"
+        elif heads == {"ndarray"}:
+            dtypes = {x[1] for x in ks}
+            cols[k] = f"ndarray:{dtypes.pop()}" if len(dtypes) == 1 else "ndarray"
+        elif heads <= {"json", "str", "int", "float64"}:
+            cols[k] = "json"
+        else:
+            raise FormatError(f"field {k!r} mixes kinds {sorted(heads)} across samples; MDS needs one encoding "
+                              "per column")
+    return cols
+
+
+# --- the conversion ---------------------------------------------------------------------------------
+def _progress(total: int | None, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional: no bar, same result
+        return None
+    return tqdm(total=total, desc=desc, unit="sample", unit_scale=True, dynamic_ncols=True,
+                disable=None)
+
+
+def _writer(to: str, dst: str, start_pass: Callable[[ConversionStats], Iterable[Any]], options: dict[str, Any]):
+    if to == "jinx":
+        from torchforge.formats.jinx import JinxWriter
+
+        return JinxWriter(dst, **options)
+    if to == "mds":
+        from torchforge.formats.mds import MDSWriter
+
+        columns = options.pop("columns", None) or infer_mds_columns(start_pass(ConversionStats()))
+        return MDSWriter(out=dst, columns=columns, **options)
+    if to == "safetensors":
+        from torchforge.datasets.safetensors import SafetensorsWriter
+
+        return SafetensorsWriter(dst, **options)
+    raise TorchforgeError(f"{to=} is not one of {list(TARGETS)}")
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, progress: bool = False,
+            **options: Any) -> ConversionStats:
+    """Convert ``src`` (JSONL, Parquet, or a JINX/MDS/safetensors dataset) into format ``to`` at ``dst``.
+
+    Args:
+        src: a JSONL file (plain, .gz, .zst), a Parquet file or folder, or a dataset folder.
+        dst: the output folder.
+        to: ``"jinx"``, ``"mds"`` or ``"safetensors"``.
+        progress: show a tqdm bar with samples/s.
+        **options: the target writer's options (e.g. ``compression="zst"``, ``columns=...`` for MDS).
+
+    Returns:
+        ConversionStats with the samples written and the malformed records skipped.
+
+    Raises:
+        FormatError: the data cannot be held by the target format; raised before anything is written.
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    if to not in TARGETS:
+        raise TorchforgeError(f"{to=} is not one of {list(TARGETS)}")
+    stats = ConversionStats(out=dst)
+    kind, start_pass = open_source(src)
+    total = None
+    if kind not in ("jsonl", "parquet"):
+        from torchforge.datasets.base import open_dataset
+
+        total = len(open_dataset(src))
+    bar = _progress(total, f"{kind} -> {to}") if progress else None
+    with _writer(to, dst, start_pass, dict(options)) as w:
+        for sample in start_pass(stats):
+            w.write(sample)
+            stats.written += 1
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return stats
