@@ -1,0 +1,161 @@
+"""A one-line speed-up for MosaicML Streaming: torchforge's MDS reader inside ``StreamingDataset``.
+
+>>> import torchforge.streaming
+>>> torchforge.streaming.patch()  # doctest: +SKIP
+>>> ds = streaming.StreamingDataset(local="data/train")  # now reads via one mmap per shard
+
+:func:`patch` registers :class:`MDSStreamingReader` for format ``"mds"`` in Streaming's reader table
+(``streaming.base.format._readers``). The table is mutated rather than ``reader_from_json`` rebound,
+because Streaming's ``stream.py`` and ``local.py`` import that function by name. The reader subclasses
+Streaming's own ``MDSReader``, so eviction, ``set_up_local``, sizes and ``validate`` behave exactly as
+Streaming's; sample access goes through one memory map per shard instead of an ``open()`` per sample,
+and per-sample compression (``"compression": "sample::zstd"``, MLDataForge's layout) becomes readable.
+:func:`unpatch` restores Streaming's reader. Importing this module does not import Streaming;
+:func:`patch` does.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+__all__ = ["patch", "unpatch", "is_patched", "MDSStreamingReader"]
+
+_lock = threading.Lock()
+_original: Any = None
+_cls: Any = None
+
+
+def _build_reader_class() -> type:
+    from streaming.base.format.mds.reader import MDSReader
+
+    from torchforge.formats.mds_reader import MDSShard, SampleDecoder, parse_shard_entry
+
+    class MDSStreamingReader(MDSReader):
+        """Streaming's ``MDSReader`` with mmap access and per-sample decompression.
+
+        Constructed by Streaming from an index.json shard entry (``from_json`` is inherited).
+        """
+
+        def __init__(self, dirname: str, split: str | None, column_encodings: list[str], column_names: list[str],
+                     column_sizes: list[int | None], compression: str | None, hashes: list[str], raw_data: Any,
+                     samples: int, size_limit: int | str | None, zip_data: Any) -> None:
+            entry = {"version": 2, "format": "mds", "column_encodings": column_encodings,
+                     "column_names": column_names, "column_sizes": column_sizes, "compression": compression,
+                     "hashes": hashes, "samples": samples, "size_limit": size_limit,
+                     "raw_data": _info_dict(raw_data), "zip_data": _info_dict(zip_data)}
+            where = os.path.join(dirname, split or "", raw_data.basename)
+            self._meta = parse_shard_entry(entry, "shard", where)
+            per_sample = self._meta.compression is not None and self._meta.compression.per_sample
+            # Per-sample compression is invisible to Streaming's file handling: no zip files exist.
+            super().__init__(dirname, split, column_encodings, column_names, column_sizes,
+                             None if per_sample else compression, hashes, raw_data, samples, size_limit, zip_data)
+            self.sample_compression = self._meta.compression.spec if per_sample else None
+            self._shard: MDSShard | None = None
+            # Streaming gates pkl columns in validate() (inherited, called by Stream); past that gate
+            # its reader decodes them, and so does this one.
+            self._decoder = SampleDecoder(self._meta, where, allow_unsafe_types=True)
+
+        def _open(self) -> MDSShard:
+            path = os.path.join(self.dirname, self.split, self.raw_data.basename)
+            # FileNotFoundError propagates: StreamingDataset.get_item downloads the shard and retries.
+            shard = MDSShard(path, self._meta, allow_unsafe_types=True)
+            self._shard = shard
+            return shard
+
+        def _close(self) -> None:
+            shard, self._shard = self._shard, None
+            if shard is not None:
+                shard.close()
+
+        def get_sample_data(self, idx: int) -> bytes:
+            shard = self._shard or self._open()
+            if not 0 <= idx < shard.samples:
+                raise IndexError(f"Relative sample index {idx} is not present in the {self.raw_data.basename} file.")
+            return bytes(shard.raw(idx))
+
+        def decode_sample(self, data: bytes) -> dict[str, Any]:
+            return self._decoder.decode(data)
+
+        def get_item(self, idx: int) -> dict[str, Any]:
+            shard = self._shard or self._open()
+            if not 0 <= idx < shard.samples:
+                raise IndexError(f"Relative sample index {idx} is not present in the {self.raw_data.basename} file.")
+            return shard.get(idx)
+
+        def _evict_raw(self) -> int:
+            self._close()
+            return super()._evict_raw()
+
+        def evict(self) -> int:
+            self._close()
+            return super().evict()
+
+        def __getstate__(self) -> dict[str, Any]:
+            state = self.__dict__.copy()
+            state["_shard"] = None
+            return state
+
+    MDSStreamingReader.__module__ = __name__
+    MDSStreamingReader.__qualname__ = "MDSStreamingReader"
+    return MDSStreamingReader
+
+
+def _info_dict(info: Any) -> dict[str, Any] | None:
+    if info is None:
+        return None
+    return {"basename": info.basename, "bytes": info.bytes, "hashes": info.hashes}
+
+
+def _reader_class() -> type:
+    global _cls
+    with _lock:
+        if _cls is None:
+            _cls = _build_reader_class()
+        return _cls
+
+
+def __getattr__(name: str) -> Any:
+    # The class is built on first use so that importing this module never imports Streaming;
+    # pickle finds it here by name (DataLoader workers unpickling a patched StreamingDataset).
+    if name == "MDSStreamingReader":
+        return _reader_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def patch() -> None:
+    """Make Streaming read format ``"mds"`` with torchforge's reader (idempotent).
+
+    Raises:
+        ImportError: MosaicML Streaming is not installed (``pip install mosaicml-streaming``).
+    """
+    global _original
+    cls = _reader_class()
+    from streaming.base import format as fmt
+
+    with _lock:
+        current = fmt._readers["mds"]
+        if current is not cls:
+            _original = current
+            fmt._readers["mds"] = cls
+
+
+def unpatch() -> None:
+    """Restore Streaming's own ``"mds"`` reader (a no-op when not patched)."""
+    global _original
+    with _lock:
+        if _original is None:
+            return
+        from streaming.base import format as fmt
+
+        if fmt._readers.get("mds") is _cls:
+            fmt._readers["mds"] = _original
+        _original = None
+
+
+def is_patched() -> bool:
+    """Whether Streaming currently reads MDS through torchforge."""
+    import sys
+
+    fmt = sys.modules.get("streaming.base.format")
+    return fmt is not None and _cls is not None and fmt._readers.get("mds") is _cls
