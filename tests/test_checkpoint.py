@@ -1,0 +1,269 @@
+"""torchforge.checkpoint: layout, interop, tied weights, bitwise resume, async snapshots, verify, errors."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import safetensors
+import torch
+
+from torchforge._ckpt_io import parse_size
+from torchforge.checkpoint import Checkpointer
+from torchforge.errors import CheckpointError, TorchforgeError
+
+
+class TiedLM(torch.nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 32):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.body = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.GELU(), torch.nn.Dropout(0.1),
+                                        torch.nn.LayerNorm(dim))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.register_buffer("transposed", torch.arange(12.0).reshape(3, 4).t())  # non-contiguous buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(x)))
+
+
+def _train(model: TiedLM, opt: torch.optim.Optimizer, steps: range) -> None:
+    for s in steps:
+        g = torch.Generator().manual_seed(1000 + s)  # data depends on the step only
+        x = torch.randint(0, 64, (8, 7), generator=g)
+        y = torch.randint(0, 64, (8, 7), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+
+
+def _fresh(seed: int = 0) -> tuple[TiedLM, torch.optim.AdamW]:
+    torch.manual_seed(seed)
+    m = TiedLM()
+    return m, torch.optim.AdamW(m.parameters(), lr=3e-3, betas=(0.8, 0.95), weight_decay=0.1)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _bitwise_equal(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict):
+            if not _bitwise_equal(x, y):
+                return False
+        elif isinstance(x, torch.Tensor):
+            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(_raw(x), _raw(y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_resume_trains_bitwise_identically(tmp_path, blocking):
+    ref, ref_opt = _fresh()
+    torch.manual_seed(123)
+    _train(ref, ref_opt, range(0, 8))
+    ref_rng = torch.get_rng_state()
+
+    run, run_opt = _fresh()
+    torch.manual_seed(123)
+    _train(run, run_opt, range(0, 4))
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(4, model=run, optimizer=run_opt, extra={"rng": torch.get_rng_state(), "step": 4}, blocking=blocking)
+    _train(run, run_opt, range(4, 5))  # training goes on while (or after) the save runs
+    ck.wait()
+
+    new, new_opt = _fresh(seed=99)  # different init and hyperparameters, no optimizer state
+    new_opt.param_groups[0]["lr"] = 1.0
+    extra = Checkpointer(tmp_path / "ck").restore(model=new, optimizer=new_opt)
+    assert extra["step"] == 4 and new.head.weight is new.emb.weight
+    torch.set_rng_state(extra["rng"])
+    _train(new, new_opt, range(4, 8))
+    assert _bitwise_equal(ref.state_dict(), new.state_dict())
+    assert _bitwise_equal(ref_opt.state_dict()["state"], new_opt.state_dict()["state"])
+    assert ref_opt.state_dict()["param_groups"] == new_opt.state_dict()["param_groups"]
+    assert torch.equal(ref_rng, torch.get_rng_state())
+
+
+def test_layout_index_and_official_interop(tmp_path):
+    m, opt = _fresh()
+    _train(m, opt, range(2))
+    ck = Checkpointer(tmp_path, max_shard_size=4000)
+    ck.save(7, model=m, optimizer=opt, extra={"epoch": 1, "lrs": (0.1, float("nan"))})
+    folder = ck.path(7)
+    names = sorted(os.listdir(folder))
+    model_files = [n for n in names if n.startswith("model-")]
+    assert len(model_files) > 1 and all(n.endswith(f"-of-{len(model_files):05d}.safetensors") for n in model_files)
+    assert "optimizer.safetensors.index.json" in names and "state.json" in names and "manifest.json" in names
+    manifest = json.loads(open(os.path.join(folder, "manifest.json")).read())
+    assert set(manifest["files"]) == set(names) - {"manifest.json"}
+    for group in ("model", "optimizer"):
+        index = json.loads(open(os.path.join(folder, f"{group}.safetensors.index.json")).read())
+        seen, total = {}, 0
+        for fname in {f for f in names if f.startswith(group + "-")}:
+            with safetensors.safe_open(os.path.join(folder, fname), framework="pt") as f:  # official reader
+                for k in f.keys():
+                    seen[k] = fname
+                    t = f.get_tensor(k)
+                    total += t.numel() * t.element_size()
+        assert index["weight_map"] == seen and index["metadata"]["total_size"] == total
+    sd = m.state_dict()
+    model_index = json.loads(open(os.path.join(folder, "model.safetensors.index.json")).read())["weight_map"]
+    assert "head.weight" not in model_index and "emb.weight" in model_index  # tied: stored once
+    for k, fname in model_index.items():
+        with safetensors.safe_open(os.path.join(folder, fname), framework="pt") as f:
+            assert torch.equal(f.get_tensor(k), sd[k])
+    state = json.loads(open(os.path.join(folder, "state.json")).read())
+    assert state["model"]["aliases"] == {"head.weight": "emb.weight"}
+    extra = ck.restore(7)
+    assert extra["epoch"] == 1 and extra["lrs"][0] == 0.1 and extra["lrs"][1] != extra["lrs"][1]
+    assert not any(n.endswith(".pkl") or n.endswith(".pt") for n in names)
+
+
+def test_non_blocking_snapshot_is_taken_before_return(tmp_path):
+    m, opt = _fresh()
+    _train(m, opt, range(1))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    ck = Checkpointer(tmp_path)
+    ck.save(1, model=m, optimizer=opt, blocking=False)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)  # allowed as soon as save() returns
+    ck.wait()
+    fresh, _ = _fresh(seed=5)
+    ck.restore(1, model=fresh)
+    assert _bitwise_equal(before, fresh.state_dict())
+
+
+def test_keep_last_prunes_after_commit_and_resave_replaces(tmp_path):
+    m, opt = _fresh()
+    ck = Checkpointer(tmp_path, keep_last=2)
+    for s in range(5):
+        ck.save(s, model=m, extra={"s": s}, blocking=s % 2 == 0)
+    ck.wait()
+    assert ck.steps() == [3, 4] and ck.latest() == 4
+    ck.save(4, model=m, extra={"s": "again"})
+    assert ck.steps() == [3, 4] and ck.restore(4) == {"s": "again"}
+    assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000004"]
+    assert Checkpointer(tmp_path, keep_last=None).steps() == [3, 4]
+
+
+def test_verify_names_the_damaged_file(tmp_path):
+    m, opt = _fresh()
+    _train(m, opt, range(1))
+    ck = Checkpointer(tmp_path)
+    ck.save(3, model=m, optimizer=opt)
+    ck.verify(3)
+    folder = ck.path(3)
+    shard = os.path.join(folder, "optimizer-00001-of-00001.safetensors")
+    raw = bytearray(open(shard, "rb").read())
+    raw[len(raw) // 2] ^= 0x10  # one flipped bit in the tensor data
+    open(shard, "wb").write(raw)
+    with pytest.raises(CheckpointError) as ei:
+        ck.verify(3)
+    assert ei.value.path == shard and ei.value.offset == 0 and "checksum" in str(ei.value)
+    fresh, fresh_opt = _fresh()
+    with pytest.raises(CheckpointError):
+        ck.restore(3, model=fresh, optimizer=fresh_opt, verify=True)
+    open(shard, "wb").write(raw[:-3])  # truncated: caught by the cheap size check of every restore
+    with pytest.raises(CheckpointError) as ei:
+        ck.restore(3, optimizer=fresh_opt)
+    assert ei.value.path == shard and "bytes" in str(ei.value)
+    os.unlink(shard)
+    with pytest.raises(CheckpointError, match="missing"):
+        ck.verify(3)
+
+
+def test_damaged_header_and_state_are_checkpoint_errors(tmp_path):
+    m, _ = _fresh()
+    ck = Checkpointer(tmp_path)
+    ck.save(1, model=m)
+    shard = os.path.join(ck.path(1), "model-00001-of-00001.safetensors")
+    raw = bytearray(open(shard, "rb").read())
+    raw[9] = ord("[")  # header JSON broken, same size
+    open(shard, "wb").write(raw)
+    with pytest.raises(CheckpointError) as ei:
+        ck.restore(1, model=_fresh()[0])
+    assert ei.value.path == shard
+    ck.save(2, model=m)
+    open(os.path.join(ck.path(2), "manifest.json"), "w").write("{")
+    with pytest.raises(CheckpointError, match="manifest"):
+        ck.verify(2)
+
+
+def test_missing_step_and_mismatched_objects(tmp_path):
+    ck = Checkpointer(tmp_path)
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        ck.restore()
+    with pytest.raises(CheckpointError, match="step 5"):
+        ck.restore(5)
+    with pytest.raises(CheckpointError):
+        ck.verify(5)
+    m, opt = _fresh()
+    _train(m, opt, range(1))
+    ck.save(1, model=m, optimizer=opt)
+    with pytest.raises(CheckpointError, match="keys differ"):
+        ck.restore(1, model=torch.nn.Linear(2, 2))
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(CheckpointError, match="groups"):
+        ck.restore(1, optimizer=torch.optim.AdamW(other.parameters()))
+    ck.save(2, extra={"only": "extra"})
+    with pytest.raises(CheckpointError, match="no model"):
+        ck.restore(2, model=m)
+    with pytest.raises(CheckpointError, match="without pickle"):
+        ck.save(3, extra={"bad": object()})
+    assert isinstance(CheckpointError("x"), TorchforgeError)
+
+
+def test_background_failure_is_raised_by_wait(tmp_path, monkeypatch):
+    import torchforge.checkpoint as mod
+
+    m, _ = _fresh()
+    ck = Checkpointer(tmp_path)
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mod, "write_files", boom)
+    ck.save(1, model=m, blocking=False)
+    with pytest.raises(CheckpointError, match="No space"):
+        ck.wait()
+    assert ck.steps() == [] and os.listdir(tmp_path) == []  # the temporary folder is gone too
+
+
+def test_leftovers_of_dead_writers_are_invisible_and_cleaned(tmp_path):
+    dead = tmp_path / ".tmp-step-00000009-999999999-abcdef01"
+    dead.mkdir()
+    (dead / "model-00001-of-00001.safetensors").write_bytes(b"partial")
+    (tmp_path / ".trash-step-00000001-12345678").mkdir()
+    ck = Checkpointer(tmp_path)
+    assert ck.steps() == [] and os.listdir(tmp_path) == []
+
+
+def test_every_dtype_and_shared_views_in_extra(tmp_path):
+    base = torch.arange(20, dtype=torch.float32)
+    extra = {f"{dt}": torch.arange(6).to(dt) for dt in (torch.bfloat16, torch.float16, torch.int8, torch.uint8,
+                                                         torch.bool, torch.float64, torch.int64)}
+    extra["f8"] = torch.arange(6, dtype=torch.float32).to(torch.float8_e4m3fn)
+    extra["a"], extra["b"], extra["strided"] = base, base, base[::3]
+    extra[3] = "int key"
+    ck = Checkpointer(tmp_path)
+    ck.save(0, extra=extra)
+    got = ck.restore(0)
+    assert got[3] == "int key"
+    for k, v in extra.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and torch.equal(got[k].float(), v.float()), k
+
+
+def test_parse_size():
+    assert parse_size("2GB") == 2 * 10**9 and parse_size("1GiB") == 2**30 and parse_size(123) == 123
+    assert parse_size("500kb") == 500_000 and parse_size("1.5MB") == 1_500_000
+    for bad in ("2XB", "-1", 0, "GB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)

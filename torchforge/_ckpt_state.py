@@ -1,0 +1,174 @@
+"""Checkpoint state: model / optimizer / extra state to tensors + JSON and back, without pickle.
+
+Non-tensor values are encoded as JSON with a few tagged forms (``{"__tensor__": name}``,
+``{"__tuple__": [...]}``, ``{"__float__": "inf"}``, ``{"__dict__": [[key, value], ...]}`` for non-string
+keys, ``{"__dtype__": "float32"}``). Tensors that share memory exactly (tied weights) are stored once;
+the other names are recorded as aliases.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from torchforge.errors import CheckpointError
+
+__all__ = ["TensorTable", "encode", "decode", "restore_model", "restore_optimizer"]
+
+_TAGS = ("__tensor__", "__tuple__", "__float__", "__dict__", "__dtype__")
+
+
+class TensorTable:
+    """Named tensors of one group (model, optimizer, extra), deduplicating exact memory aliases."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.aliases: dict[str, str] = {}
+        self._seen: dict[tuple, str] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> str:
+        """Record ``t`` under ``name``; returns the name it is stored under (an earlier alias or itself)."""
+        t = t.detach()
+        key = None
+        if t.numel():
+            key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+                   t.dtype)
+            if key in self._seen:
+                self.aliases[name] = self._seen[key]
+                return self._seen[key]
+            self._seen[key] = name
+        self.tensors[name] = t
+        return name
+
+    def contiguous_cpu(self) -> dict[str, torch.Tensor]:
+        """The tensors as contiguous CPU tensors (copies only those that are not already)."""
+        return {k: v if v.device.type == "cpu" and v.is_contiguous() else v.cpu().contiguous()
+                for k, v in self.tensors.items()}
+
+
+def encode(obj: Any, path: str, table: TensorTable) -> Any:
+    """A JSON-able form of ``obj``; tensors go into ``table`` under their dotted ``path``."""
+    def sub(key: Any) -> str:
+        return f"{path}.{key}" if path else str(key)
+
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {"__float__": repr(obj)}
+    if isinstance(obj, torch.Tensor):
+        return {"__tensor__": table.add(path, obj)}
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).removeprefix("torch.")}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [encode(v, sub(i), table) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [encode(v, sub(i), table) for i, v in enumerate(obj)]
+    if isinstance(obj, Mapping):
+        if all(isinstance(k, str) for k in obj) and not any(k in _TAGS for k in obj):
+            return {k: encode(v, sub(k), table) for k, v in obj.items()}
+        return {"__dict__": [[encode(k, sub(f"key{i}"), table), encode(v, sub(k), table)]
+                             for i, (k, v) in enumerate(obj.items())]}
+    raise CheckpointError(f"cannot store {type(obj).__name__} at {path!r} without pickle: use tensors, numbers, "
+                          "strings, bools, None, lists, tuples and dicts")
+
+
+def decode(obj: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
+    """Invert :func:`encode`; ``tensor(name)`` supplies stored tensors."""
+    if isinstance(obj, list):
+        return [decode(v, tensor) for v in obj]
+    if isinstance(obj, dict):
+        if len(obj) == 1:
+            (k, v), = obj.items()
+            if k == "__tensor__":
+                return tensor(v)
+            if k == "__tuple__":
+                return tuple(decode(x, tensor) for x in v)
+            if k == "__float__":
+                return float(v)
+            if k == "__dtype__":
+                return getattr(torch, v)
+            if k == "__dict__":
+                return {decode(a, tensor): decode(b, tensor) for a, b in v}
+        return {k: decode(v, tensor) for k, v in obj.items()}
+    return obj
+
+
+def model_table(model: torch.nn.Module) -> TensorTable:
+    table = TensorTable()
+    for k, v in model.state_dict(keep_vars=False).items():
+        if not isinstance(v, torch.Tensor):
+            raise CheckpointError(f"model state {k!r} is a {type(v).__name__}; only tensors are stored")
+        table.add(k, v)
+    return table
+
+
+@torch.no_grad()
+def restore_model(model: torch.nn.Module, source: Callable[[str], torch.Tensor], names: list[str],
+                  aliases: Mapping[str, str], where: str) -> None:
+    """Copy stored tensors into the model's existing parameters and buffers (strict key match)."""
+    target = model.state_dict(keep_vars=False)
+    stored = set(names) | set(aliases)
+    missing, unexpected = sorted(set(target) - stored), sorted(stored - set(target))
+    if missing or unexpected:
+        raise CheckpointError(f"model keys differ from the checkpoint: missing {missing[:5]}, unexpected "
+                              f"{unexpected[:5]}", path=where)
+    done: set[tuple] = set()
+    for k, dst in target.items():
+        src = source(aliases.get(k, k))
+        if tuple(src.shape) != tuple(dst.shape):
+            raise CheckpointError(f"{k!r} has shape {list(src.shape)} in the checkpoint, {list(dst.shape)} in the "
+                                  "model", path=where)
+        key = (dst.untyped_storage().data_ptr(), dst.storage_offset(), tuple(dst.shape), dst.stride())
+        if dst.numel() and key in done:  # tied in the model too: already restored
+            continue
+        done.add(key)
+        dst.copy_(src)
+
+
+@torch.no_grad()
+def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: str) -> None:
+    """Load a decoded optimizer state dict, copying into existing state tensors where shapes match.
+
+    Follows ``Optimizer.load_state_dict``'s rules: state tensors take the parameter's device (and dtype
+    for floating-point parameters), ``step`` stays as stored unless the group is capturable or fused.
+    """
+    groups, sgroups = opt.param_groups, saved["param_groups"]
+    if len(groups) != len(sgroups) or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, sgroups)):
+        raise CheckpointError(f"optimizer has groups of sizes {[len(g['params']) for g in groups]}, the "
+                              f"checkpoint {[len(s['params']) for s in sgroups]}", path=where)
+    index, group_of = {}, {}
+    for g, s in zip(groups, sgroups):
+        for p, i in zip(g["params"], s["params"]):
+            index[i] = p
+            group_of[i] = g
+    state: defaultdict = defaultdict(dict)
+    for i, entry in saved["state"].items():
+        if i not in index:
+            raise CheckpointError(f"optimizer state for parameter {i} which no group holds", path=where)
+        p, g = index[i], group_of[i]
+        old = opt.state.get(p, {})
+        new = {}
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor):
+                if k == "step":
+                    dev, dt = (p.device, torch.float32) if g.get("capturable") or g.get("fused") else ("cpu", v.dtype)
+                else:
+                    dev, dt = p.device, p.dtype if p.is_floating_point() else v.dtype
+                cur = old.get(k)
+                if not (isinstance(cur, torch.Tensor) and cur.shape == v.shape and cur.dtype == dt
+                        and cur.device == torch.device(dev)):
+                    cur = torch.empty(v.shape, dtype=dt, device=dev)
+                cur.copy_(v)
+                v = cur
+            new[k] = v
+        state[p] = new
+    for g, s in zip(groups, sgroups):
+        for k, v in s.items():
+            if k != "params":
+                g[k] = v
+    opt.__setstate__({"state": state, "param_groups": groups})

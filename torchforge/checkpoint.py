@@ -1,0 +1,338 @@
+"""Atomic, versioned, verified, optionally asynchronous checkpoints in safetensors shards. No pickle.
+
+Layout of ``root``::
+
+    step-00000100/
+        model-00001-of-00002.safetensors ...   model.safetensors.index.json   (Hugging Face format)
+        optimizer-00001-of-00001.safetensors   optimizer.safetensors.index.json
+        extra-00001-of-00001.safetensors       extra.safetensors.index.json   (only if extra has tensors)
+        state.json       non-tensor state as JSON: optimizer param groups, step counters, ``extra``, aliases
+        manifest.json    every other file's size and CRC-32 per 64 MiB block (written last)
+
+A step is written into ``.tmp-step-…`` with every file fsynced, then the folder is fsynced and renamed to
+``step-…`` and the root fsynced: a step folder is either complete or absent, whatever moment a crash
+hits. Older steps beyond ``keep_last`` are removed only after the new step is committed.
+
+>>> ckpt = Checkpointer("runs/a/ckpt", keep_last=3)  # doctest: +SKIP
+>>> ckpt.save(step, model=model, optimizer=opt, extra={"epoch": 2}, blocking=False)  # doctest: +SKIP
+>>> extra = ckpt.restore(model=model, optimizer=opt)  # latest step  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from torchforge._ckpt_io import Arena, FilePlan, parse_size, plan_group, verify_files, write_files
+from torchforge._ckpt_state import TensorTable, decode, encode, model_table, restore_model, restore_optimizer
+from torchforge.errors import CheckpointError, TorchforgeError
+from torchforge.formats.safetensors import fsync_dir, load_safetensors
+
+__all__ = ["Checkpointer"]
+
+_STEP = re.compile(r"step-(\d+)")
+_FORMAT = "torchforge-checkpoint"
+MANIFEST, STATE = "manifest.json", "state.json"
+GROUPS = ("model", "optimizer", "extra")
+
+
+class Checkpointer:
+    """Saves and restores training state under ``root``, one folder per step.
+
+    Args:
+        root: the checkpoint folder (created if missing).
+        keep_last: how many committed steps to keep (None or 0 keeps all).
+        max_shard_size: the largest safetensors shard, ``"2GB"`` style or bytes.
+        threads: parallel writer threads (default: CPU count, at least 2, at most 8).
+    """
+
+    def __init__(self, root: str | os.PathLike, keep_last: int | None = 3, max_shard_size: int | str = "2GB",
+                 *, threads: int | None = None):
+        self.root = os.path.abspath(os.fspath(root))
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 0):
+            raise ValueError(f"keep_last={keep_last!r} must be None or an int >= 0")
+        self.keep_last = keep_last or None
+        self.max_shard_size = parse_size(max_shard_size)
+        os.makedirs(self.root, exist_ok=True)
+        self._pool = ThreadPoolExecutor(threads or min(8, max(2, os.cpu_count() or 2)),
+                                        thread_name_prefix="torchforge-ckpt")
+        self._arena = Arena()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._clean_leftovers()
+
+    # --- listing -------------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (folders being written or removed are not listed)."""
+        out = []
+        for name in os.listdir(self.root):
+            m = _STEP.fullmatch(name)
+            if m and os.path.isdir(os.path.join(self.root, name)):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None."""
+        s = self.steps()
+        return s[-1] if s else None
+
+    def path(self, step: int) -> str:
+        """The folder of ``step``."""
+        return os.path.join(self.root, f"step-{int(step):08d}")
+
+    # --- saving --------------------------------------------------------------------------------------
+    def save(self, step: int, *, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+             extra: Any = None, blocking: bool = True) -> None:
+        """Save a step (replacing an existing folder of the same step).
+
+        Args:
+            step: the step number (an int >= 0).
+            model: its ``state_dict()`` tensors are saved; tied tensors once.
+            optimizer: its ``state_dict()``: tensors in safetensors shards, the rest in ``state.json``.
+            extra: any nesting of dicts, lists, tuples, numbers, strings, None and tensors.
+            blocking: False copies the state into CPU memory (pinned if CUDA is present), returns, and
+                writes in a background thread; the model may change as soon as this returns. At most one
+                save is in flight: a second one waits for the first. ``wait()`` joins it.
+
+        Raises:
+            CheckpointError: a previous non-blocking save failed, or the state cannot be stored.
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step={step!r} must be an int >= 0")
+        self.wait()
+        files, state = self._plan(step, model, optimizer, extra)
+        staged = not blocking or any(t.device.type != "cpu" for f in files for _, t in f.parts)
+        if staged:
+            self._arena.stage(files)
+        else:
+            for f in files:
+                if f.parts:
+                    f.bind()
+        if blocking:
+            self._write(step, files, state)
+        else:
+            self._thread = threading.Thread(target=self._background, args=(step, files, state),
+                                            name=f"torchforge-ckpt-{step}", daemon=False)
+            self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the background save (if any) is committed; re-raise its error."""
+        t = self._thread
+        if t is not None:
+            t.join()
+            self._thread = None
+        err, self._error = self._error, None
+        if err is not None:
+            if isinstance(err, TorchforgeError):
+                raise err
+            raise CheckpointError(f"background save failed: {err!r}", path=self.root) from err
+
+    def _background(self, step: int, files: list[FilePlan], state: dict) -> None:
+        try:
+            self._write(step, files, state)
+        except BaseException as e:  # kept for wait()/the next save()
+            self._error = e
+
+    def _plan(self, step: int, model: Any, optimizer: Any, extra: Any) -> tuple[list[FilePlan], dict]:
+        tables = {g: TensorTable() for g in GROUPS}
+        state: dict[str, Any] = {"format": _FORMAT, "version": 1, "step": step}
+        if model is not None:
+            tables["model"] = model_table(model)
+            state["model"] = {"aliases": tables["model"].aliases}
+        if optimizer is not None:
+            state["optimizer"] = encode(optimizer.state_dict(), "", tables["optimizer"])
+        state["extra"] = encode(extra, "", tables["extra"])
+        files: list[FilePlan] = []
+        for g in GROUPS:
+            present = bool(tables[g].tensors) if g == "extra" else g in state
+            if not present:
+                continue
+            tensors = tables[g].tensors
+            if any(t.device.type == "cpu" and not t.is_contiguous() for t in tensors.values()):
+                tensors = tables[g].contiguous_cpu()  # zero-copy writes need C order; others copy in stage()
+            shards, index = plan_group(g, tensors, self.max_shard_size)
+            files += shards + [FilePlan.of_bytes(f"{g}.safetensors.index.json", index)]
+        files.append(FilePlan.of_bytes(STATE, json.dumps(state, indent=1).encode() + b"\n"))
+        return files, state
+
+    def _write(self, step: int, files: list[FilePlan], state: dict) -> None:
+        tmp = os.path.join(self.root, f".tmp-step-{step:08d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.mkdir(tmp)
+        try:
+            entries = write_files(tmp, files, self._pool)
+            manifest = {"format": _FORMAT, "version": 1, "step": step, "checksum": "crc32-64MiB-blocks",
+                        "files": entries}
+            write_files(tmp, [FilePlan.of_bytes(MANIFEST, json.dumps(manifest, indent=1).encode() + b"\n")],
+                        self._pool)
+            fsync_dir(tmp)
+            final = self.path(step)
+            with self._lock:
+                if os.path.exists(final):  # re-saving a step: move the old one out of sight first
+                    self._discard(final)
+                os.rename(tmp, final)
+                fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for f in files:  # drop references to tensors and the arena
+            f.views, f.parts = [], []
+        self._prune()
+
+    def _prune(self) -> None:
+        if not self.keep_last:
+            return
+        for s in self.steps()[:-self.keep_last]:
+            self._discard(self.path(s))
+
+    def _discard(self, folder: str) -> None:
+        trash = os.path.join(self.root, f".trash-{os.path.basename(folder)}-{uuid.uuid4().hex[:8]}")
+        os.rename(folder, trash)
+        fsync_dir(self.root)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _clean_leftovers(self) -> None:
+        for name in os.listdir(self.root):
+            m = re.fullmatch(r"\.tmp-step-\d+-(\d+)-[0-9a-f]+", name)
+            if name.startswith(".trash-") or (m and not _alive(int(m.group(1)))):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    # --- checking ------------------------------------------------------------------------------------
+    def manifest(self, step: int) -> dict[str, Any]:
+        """The parsed manifest of a committed step.
+
+        Raises:
+            CheckpointError: the step does not exist or its manifest is unreadable.
+        """
+        folder = self.path(step)
+        if not os.path.isdir(folder):
+            raise CheckpointError(f"no checkpoint for step {step}; committed steps: {self.steps()}", path=folder)
+        p = os.path.join(folder, MANIFEST)
+        try:
+            with open(p, "rb") as f:
+                m = json.loads(f.read())
+            if m.get("format") != _FORMAT or not isinstance(m.get("files"), dict):
+                raise ValueError("not a torchforge checkpoint manifest")
+            return m
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"unreadable manifest: {e}", path=p) from None
+
+    def verify(self, step: int) -> None:
+        """Re-check the size and CRC-32 of every file of ``step``.
+
+        Raises:
+            CheckpointError: naming the missing or damaged file and the offset of the damaged block.
+        """
+        self.wait()
+        verify_files(self.path(step), self.manifest(step)["files"], checksums=True, pool=self._pool)
+
+    # --- restoring -----------------------------------------------------------------------------------
+    def restore(self, step: int | None = None, *, model: torch.nn.Module | None = None,
+                optimizer: torch.optim.Optimizer | None = None, map_location: str | torch.device = "cpu",
+                verify: bool = False) -> Any:
+        """Load a step into existing objects and return its ``extra``.
+
+        Tensors are read through mmap and copied once, straight into the model's parameters and buffers
+        and the optimizer's state tensors (allocated on the parameter's device when missing).
+
+        Args:
+            step: the step (default: the latest).
+            model: copied into in place; keys and shapes must match exactly (tied parameters stay tied).
+            optimizer: its param groups and state are replaced by the stored ones.
+            map_location: where tensors inside ``extra`` are placed.
+            verify: also re-check every checksum first (reads every byte once more); sizes and safetensors
+                headers are always checked.
+
+        Raises:
+            CheckpointError: no such step, missing or damaged files, or state that does not fit.
+        """
+        self.wait()
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise CheckpointError("no checkpoint to restore", path=self.root)
+        folder = self.path(step)
+        files = self.manifest(step)["files"]
+        verify_files(folder, files, checksums=verify, pool=self._pool)
+        state = self._json(folder, STATE)
+        try:
+            if model is not None:
+                if "model" not in state:
+                    raise CheckpointError(f"step {step} holds no model state", path=folder)
+                names, get = self._group(folder, "model")
+                restore_model(model, get, names, state["model"]["aliases"], folder)
+            if optimizer is not None:
+                if "optimizer" not in state:
+                    raise CheckpointError(f"step {step} holds no optimizer state", path=folder)
+                _, get = self._group(folder, "optimizer")
+                restore_optimizer(optimizer, decode(state["optimizer"], get), folder)
+            if "extra.safetensors.index.json" in files:
+                _, get = self._group(folder, "extra")
+                return decode(state["extra"], lambda k: get(k).to(map_location, copy=True))
+            return decode(state["extra"], lambda k: _missing(k, folder))
+        except TorchforgeError as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"step {step} is damaged: {e.reason}", path=e.path, offset=e.offset) from e
+
+    def _json(self, folder: str, name: str) -> Any:
+        p = os.path.join(folder, name)
+        try:
+            with open(p, "rb") as f:
+                return json.loads(f.read())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"unreadable {name}: {e}", path=p) from None
+
+    def _group(self, folder: str, group: str) -> tuple[list[str], Any]:
+        index = self._json(folder, f"{group}.safetensors.index.json")
+        wmap: dict[str, str] = index.get("weight_map", {})
+        opened: dict[str, Any] = {}
+        for fname in sorted(set(wmap.values())):
+            if "/" in fname or fname.startswith("."):
+                raise CheckpointError(f"index names a file outside the step folder: {fname!r}", path=folder)
+            opened[fname] = load_safetensors(os.path.join(folder, fname))
+        def get(name: str) -> torch.Tensor:
+            fname = wmap.get(name)
+            if fname is None or name not in opened[fname]:
+                raise CheckpointError(f"tensor {name!r} is not in the {group} shards",
+                                      path=os.path.join(folder, fname or f"{group}.safetensors.index.json"))
+            return opened[fname][name]
+
+        return list(wmap), get
+
+    def close(self) -> None:
+        """Wait for a background save, free the staging memory and stop the writer threads."""
+        try:
+            self.wait()
+        finally:
+            self._arena = Arena()
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _missing(name: str, folder: str) -> torch.Tensor:
+    raise CheckpointError(f"state.json refers to tensor {name!r} but the step has no extra shards", path=folder)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
