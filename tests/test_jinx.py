@@ -1,0 +1,326 @@
+"""JINX: fixtures written by MLDataForge 0.6.10 read back equal; writer/reader round trips; lazy samples."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import sys
+from collections.abc import Mapping
+
+import numpy as np
+import orjson
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torchforge
+from torchforge.datasets.base import open_dataset
+from torchforge.datasets.jinx import JinxDataset
+from torchforge.errors import FormatError, TorchforgeError
+from torchforge.formats.jinx import JinxShard, JinxWriter
+from torchforge.formats.jinx_codec import decode_text, encode_text
+from torchforge.lazy import LazySample, materialize
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURES = os.path.join(HERE, "fixtures", "interop")
+sys.path.insert(0, FIXTURES)
+from expected import rich, same  # noqa: E402
+
+MANIFEST = json.load(open(os.path.join(FIXTURES, "manifest.json")))
+JINX_FIXTURES = sorted(k for k, v in MANIFEST.items() if v["format"] == "jinx")
+
+
+# --- fixtures written by MLDataForge -------------------------------------------------------------------
+@pytest.mark.parametrize("name", JINX_FIXTURES)
+@pytest.mark.parametrize("lazy", [True, False])
+def test_fixture_reads_back_equal(name, lazy):
+    m = MANIFEST[name]
+    ds = torchforge.JinxDataset(os.path.join(FIXTURES, name), lazy=lazy)
+    expected = list(rich(m["n"], m["seed"], m["tensors"]))
+    assert len(ds) == m["n"]
+    for i, exp in enumerate(expected):
+        assert same(exp, ds[i]) == "", (name, i)
+    for exp, got in zip(expected, ds, strict=True):
+        assert same(exp, got) == ""
+    assert same(expected[-1], ds[-1]) == ""
+
+
+def test_fixture_layout_facts():
+    """What MLDataForge writes: raw uint64 index (not np.save), sidecar index past the threshold."""
+    shard = JinxShard(os.path.join(FIXTURES, "jinx-b64-multishard", "shard-00003.jinx"))
+    assert shard.split == "train" and shard.footer["shard_next"].endswith("shard-00004.jinx")
+    assert shard.offsets[0] == 0 and len(shard.offsets) == shard.num_samples + 1
+    inline = JinxShard(os.path.join(FIXTURES, "jinx-a85-zst-inline", "shard-00000.jinx"))
+    assert inline.footer["index_compression"] == "zst" and inline.encoding == "a85"
+
+
+def test_split_filter_and_open_dataset():
+    folder = os.path.join(FIXTURES, "jinx-b64-multishard")
+    assert len(JinxDataset(folder, split="train")) == 300
+    assert len(JinxDataset(folder, split="test")) == 0
+    ds = open_dataset(folder)
+    assert isinstance(ds, JinxDataset) and len(ds) == 300
+    assert len(ds.shard_files()) == 28  # 14 shards + 14 sidecars
+
+
+def test_fixture_sidecar_values_are_zero_copy_views():
+    ds = JinxDataset(os.path.join(FIXTURES, "jinx-b64-zst-binx"))
+    m = MANIFEST["jinx-b64-zst-binx"]
+    for i, exp in enumerate(rich(m["n"], m["seed"])):
+        img = ds[i]["image"]
+        if len(exp["image"]) > 512 and isinstance(img, memoryview):
+            assert img.readonly and bytes(img) == exp["image"]
+            break
+    else:  # pragma: no cover - the fixture has incompressible images over the threshold
+        pytest.fail("no sidecar image found")
+
+
+# --- round trips ----------------------------------------------------------------------------------------
+def _write(path, samples, **opts):
+    with JinxWriter(path, **opts) as w:
+        for s in samples:
+            w.write(s)
+    return w
+
+
+def _check_equal(samples, ds):
+    assert len(ds) == len(samples)
+    for i, exp in enumerate(samples):
+        assert same(exp, ds[i]) == "", i
+    for exp, got in zip(samples, ds, strict=True):
+        assert same(exp, got) == ""
+
+
+OPTIONS = [
+    {},
+    {"encoding": "b64", "binary_threshold": 512, "shard_size": 30_000, "split": "train"},
+    {"encoding": "hex", "compression": None, "index_compression": None},
+    {"encoding": "b64", "compression": "gzip", "index_compression": "bz2", "compress_threshold": 16},
+    {"encoding": "a85", "compression": "xz", "binary_threshold": 0, "compress_ratio": 1.0},
+    {"encoding": "b64", "compression": "zstd:9", "shard_size": None},
+    {"encoding": "b64", "compression": "lz4", "binary_threshold": 64},
+    {"encoding": "b64", "compression": "snappy"},
+    {"encoding": "b64", "compression": "br", "ext_sep": ":"},
+]
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults")
+def test_round_trip_rich(tmp_path, opts):
+    samples = list(rich(60, 11, tensors=True))
+    path = tmp_path / ("one.jinx" if opts.get("shard_size", 1) is None else "ds")
+    w = _write(path, samples, **opts)
+    if opts.get("shard_size") == 30_000:
+        assert len(w.files) > 1
+    for lazy in (True, False):
+        _check_equal(samples, JinxDataset(path, lazy=lazy, split=opts.get("split")))
+
+
+def test_empty_dataset_and_empty_values(tmp_path):
+    _write(tmp_path / "empty", [])
+    ds = JinxDataset(tmp_path / "empty")
+    assert len(ds) == 0 and list(ds) == []
+    with pytest.raises(IndexError):
+        ds[0]
+    samples = [{"b": b"", "s": "", "d": {}, "l": [], "a": np.zeros(0, np.int16), "n": None}]
+    _write(tmp_path / "e", samples, encoding="b64", compress_threshold=0, binary_threshold=0)
+    _check_equal(samples, JinxDataset(tmp_path / "e"))
+
+
+def test_thresholds_follow_mldataforge(tmp_path):
+    """Strings under the limit stay plain; compression only where it pays; offload past the threshold."""
+    long_text = "abc" * 200
+    noise = os.urandom(3000)
+    _write(tmp_path / "t", [{"short": "x" * 127, "long": long_text, "noise": noise, "small": b"ab"}],
+           encoding="b64", binary_threshold=2048)
+    line = orjson.loads(open(tmp_path / "t" / "shard-00000.jinx", "rb").readline())
+    assert line["short"] == "x" * 127
+    assert "long.str.zst" in line  # compressible: zst, inline, b64 text
+    assert line["noise.raw.bin"] == {"offset": 0, "length": 3000}  # incompressible: raw, to the sidecar
+    assert base64.b64decode(line["small.raw"]) == b"ab"
+
+
+def _values():
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1),
+                        st.floats(allow_nan=False, allow_infinity=False), st.text())
+    leaves = st.one_of(
+        scalars,
+        st.binary(max_size=300),
+        st.text(min_size=100, max_size=400),
+        st.builds(lambda d, xs: np.asarray(xs, dtype=d),
+                  st.sampled_from(["int8", "uint16", "int32", "int64", "float32", "float64", "bool"]),
+                  st.lists(st.integers(0, 100), max_size=20)),
+        st.builds(lambda d, x: np.dtype(d).type(x), st.sampled_from(["int8", "uint32", "int64", "float16",
+                                                                     "float32", "float64", "bool"]),
+                  st.integers(0, 100)),
+        st.builds(lambda xs: torch.tensor(xs, dtype=torch.float32), st.lists(st.floats(-1e6, 1e6), max_size=8)),
+    )
+    keys = st.text(min_size=0, max_size=8).filter(lambda k: "." not in k)
+    return st.recursive(
+        leaves,
+        lambda inner: st.one_of(st.dictionaries(keys, inner, max_size=4),
+                                st.lists(st.one_of(scalars, st.dictionaries(keys, inner, max_size=3)), max_size=4)),
+        max_leaves=12,
+    )
+
+
+_samples = st.lists(st.dictionaries(st.text(max_size=8).filter(lambda k: "." not in k), _values(), max_size=6),
+                    max_size=6)
+_options = st.fixed_dictionaries({}, optional={
+    "compression": st.sampled_from([None, "zst", "gz", "bz2", "xz", "lz4", "snappy", "br"]),
+    "index_compression": st.sampled_from([None, "zst", "gz"]),
+    "compress_threshold": st.integers(0, 300),
+    "compress_ratio": st.sampled_from([0.1, 0.67, 1.0, 2.0]),
+    "encoding": st.sampled_from(["a85", "b64", "hex"]),
+    "binary_threshold": st.one_of(st.none(), st.integers(0, 600)),
+    "shard_size": st.sampled_from([None, 0, 200, 2000, 2**26]),
+    "split": st.sampled_from([None, "train"]),
+})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(samples=_samples, opts=_options)
+def test_round_trip_property(tmp_path_factory, samples, opts):
+    path = tmp_path_factory.mktemp("rt") / ("x.jinx" if opts.get("shard_size", 1) is None else "ds")
+    _write(path, samples, **opts)
+    for lazy in (True, False):
+        ds = JinxDataset(path, lazy=lazy, split=opts.get("split"))
+        _check_equal(samples, ds)
+        if lazy and samples:
+            assert same(samples[0], materialize(ds[0])) == ""
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.binary(max_size=400), encoding=st.sampled_from(["a85", "b64", "hex"]))
+def test_text_encodings_round_trip(data, encoding):
+    assert decode_text(encode_text(data, encoding), encoding) == data
+    if encoding == "a85":  # the vectorized decoder agrees with the standard library
+        assert decode_text(encode_text(data, encoding), encoding) == base64.a85decode(base64.a85encode(data))
+
+
+# --- lazy samples ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lazy_ds(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lazy") / "ds"
+    samples = list(rich(20, 5, tensors=True))
+    _write(path, samples, encoding="b64", binary_threshold=256)
+    return JinxDataset(path), samples
+
+
+def test_lazy_sample_is_a_read_only_mapping(lazy_ds):
+    ds, samples = lazy_ds
+    s = ds[3]
+    assert isinstance(s, LazySample) and isinstance(s, Mapping)
+    assert set(s) == set(samples[3]) and len(s) == len(samples[3])
+    assert "image" in s and "image.raw.bin" not in s and "nope" not in s
+    with pytest.raises(KeyError):
+        s["image.raw"]
+    with pytest.raises(KeyError):
+        s["nope"]
+    assert s.get("nope", 7) == 7
+    assert isinstance(s["meta"], LazySample) and isinstance(s["messages"][0], LazySample)
+    assert s["meta"] is s["meta"]  # decoded once, then cached
+    with pytest.raises(TypeError):
+        s["id"] = 1  # type: ignore[index]
+    assert "image" in repr(s)
+
+
+def test_lazy_sample_decodes_only_what_is_read(lazy_ds, monkeypatch):
+    ds, _ = lazy_ds
+    shard = ds.shards[0]
+    calls = []
+    real = shard.decode
+    monkeypatch.setattr(shard, "decode", lambda k, v, o: calls.append(k) or real(k, v, o))
+    s = ds[1]
+    _ = s["id"], s["text"], s["tokens"]
+    assert calls == []
+    _ = s["arr"], s["arr"]
+    assert calls == ["arr.npy"]
+
+
+def test_lazy_sample_pickles_as_plain_dict(lazy_ds):
+    ds, samples = lazy_ds
+    s = ds[2]
+    _ = s["meta"]  # partly decoded
+    back = pickle.loads(pickle.dumps(s))
+    assert type(back) is dict and type(back["meta"]) is dict and type(back["messages"][0]) is dict
+    assert same(samples[2], back) == ""
+    plain = s.materialize()
+    assert type(plain["image"]) is bytes and same(samples[2], plain) == ""
+
+
+def test_eager_mode_returns_plain_values(lazy_ds):
+    ds, samples = lazy_ds
+    eager = JinxDataset(ds.shards[0].path, lazy=False)
+    s = eager[4]
+    assert type(s) is dict and type(s["image"]) is bytes and type(s["meta"]) is dict
+    assert isinstance(s["emb"], torch.Tensor) and isinstance(s["score"], np.float32)
+    assert same(samples[4], s) == ""
+
+
+def test_dataset_pickles_without_maps(lazy_ds):
+    ds, samples = lazy_ds
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone._shards is None
+    assert same(samples[7], clone[7]) == "" and len(clone) == len(ds)
+
+
+def test_keys_pass_over_a_text_field(lazy_ds):
+    ds, samples = lazy_ds
+    keys = ds.keys("meta.source", cache=False)
+    assert list(keys) == [s["meta"]["source"] for s in samples]
+
+
+def test_writer_accepts_lazy_samples(tmp_path, lazy_ds):
+    ds, samples = lazy_ds
+    _write(tmp_path / "copy", list(ds), encoding="hex", binary_threshold=100)
+    _check_equal(samples, JinxDataset(tmp_path / "copy"))
+
+
+# --- writer input checks ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("sample, match", [
+    ({"a.b": 1}, "separator"),
+    ({1: 1}, "keys must be strings"),
+    ({"x": [b"bytes in a list"]}, "inside a list"),
+    ({"x": [np.float32(1)]}, "inside a list"),
+    ({"x": {1, 2}}, "cannot store"),
+    ({"x": float("nan")}, "NaN"),
+    ({"x": np.float32("inf")}, "infinity"),
+    ({"x": 2**70}, "64 bits"),
+    ({"x": np.array([object()])}, "pickle"),
+    ({"x": np.complex64(1)}, "dtype complex64"),
+])
+def test_writer_refuses_what_jinx_cannot_hold(tmp_path, sample, match):
+    with JinxWriter(tmp_path / "w") as w:
+        with pytest.raises(FormatError, match=match):
+            w.write(sample)
+        w.write({"ok": 1})
+    assert [dict(s) for s in JinxDataset(tmp_path / "w")] == [{"ok": 1}]
+
+
+@pytest.mark.parametrize("opts", [{"encoding": "b85"}, {"compression": "rar"}, {"shard_size": -1},
+                                  {"compress_ratio": 0}, {"binary_threshold": "1k"}, {"compression": "zst:x"}])
+def test_writer_checks_options(tmp_path, opts):
+    with pytest.raises(TorchforgeError):
+        JinxWriter(tmp_path / "w", **opts)
+
+
+def test_dataset_checks_arguments(tmp_path):
+    with pytest.raises(ValueError, match="on_error"):
+        JinxDataset(os.path.join(FIXTURES, "jinx-a85-zst-inline"), on_error="ignore")
+    with pytest.raises(FormatError, match="no such"):
+        JinxDataset(tmp_path / "missing")
+    os.makedirs(tmp_path / "nothing")
+    with pytest.raises(FormatError, match="no shard"):
+        JinxDataset(tmp_path / "nothing")
+
+
+def test_many_paths_concatenate(tmp_path):
+    a, b = list(rich(5, 1)), list(rich(7, 2))
+    _write(tmp_path / "a", a)
+    _write(tmp_path / "b.jinx", b, shard_size=None)
+    ds = JinxDataset([tmp_path / "a", str(tmp_path / "b.jinx")])
+    _check_equal(a + b, ds)
+    assert ds.locate(6) == (1, 1)

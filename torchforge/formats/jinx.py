@@ -1,0 +1,299 @@
+"""JINX: JSON lines with typed key extensions, an offset index in the footer, and a binary sidecar.
+
+The layout is exactly the one MLDataForge 0.6.x writes and reads (see :mod:`.jinx_reader` for the
+reader and its validation, :mod:`.jinx_codec` for the value extensions). :class:`JinxWriter` writes a
+folder of ``shard-NNNNN.jinx`` files (+ ``shard-NNNNN.binx`` sidecars) that MLDataForge's
+``JinxDatasetReader`` reads, with the same options and the same thresholds as its ``JinxDatasetWriter``.
+
+>>> with JinxWriter("out", compression="zst", encoding="b64", binary_threshold=1024) as w:  # doctest: +SKIP
+...     w.write({"id": 0, "text": "hello", "image": b"...", "arr": np.zeros(3, np.float32)})
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any, BinaryIO
+
+import numpy as np
+import orjson
+
+from torchforge.codecs import get_codec
+from torchforge.errors import CodecError, FormatError
+from torchforge.formats.jinx_codec import (
+    ENCODINGS,
+    SCALAR_DTYPES,
+    compress_value,
+    encode_text,
+    save_npy,
+    save_pt,
+)
+from torchforge.formats.jinx_reader import JinxShard, sidecar_path
+from torchforge.lazy import LazySample
+
+__all__ = ["JinxShard", "JinxWriter", "SHARD_TEMPLATE"]
+
+SHARD_TEMPLATE = "shard-{:05d}.jinx"
+_INF = float("inf")
+_PLAIN_SCALARS = (bool, int, float, type(None))
+
+
+def _parse_codec(option: str, spec: str | None) -> tuple[str | None, int | None]:
+    """``"zstd:3"`` -> ``("zst", 3)``: the canonical extension (MLDataForge's names) and a level."""
+    if spec is None or spec == "none":
+        return None, None
+    if not isinstance(spec, str):
+        raise FormatError(f"{option}={spec!r} must be a compression name such as 'zst' or None")
+    name, _, level = spec.partition(":")
+    try:
+        codec = get_codec(name)
+    except CodecError as e:
+        raise CodecError(f"{option}: {e.reason}") from None
+    if level and not level.lstrip("-").isdigit():
+        raise CodecError(f"{option}={spec!r}: the level after ':' must be an integer")
+    return codec.name, int(level) if level else None
+
+
+class _ShardWriter:
+    """Writes one shard: lines, the sidecar (opened on first offload), the footer."""
+
+    def __init__(self, path: str, opts: "JinxWriter") -> None:
+        self.path = path
+        self.o = opts
+        self.file: BinaryIO = open(path, "wb")
+        self.bin: BinaryIO | None = None
+        self.offsets = [0]
+        self.pos = 0
+
+    # --- values --------------------------------------------------------------------------------------
+    def prepare(self, value: dict) -> dict:
+        o = self.o
+        sep = o.ext_sep
+        out = {}
+        for key, val in value.items():
+            if type(key) is not str:
+                raise FormatError(f"sample keys must be strings, got {type(key).__name__} {key!r}")
+            if sep in key:
+                raise FormatError(f"key {key!r} contains the extension separator {sep!r}: JINX reads everything "
+                                  "after it as type extensions; rename the key")
+            v, ext = self.prepare_value(val)
+            out[f"{key}{sep}{ext}" if ext else key] = v
+        return out
+
+    def prepare_list(self, items: Any) -> list:
+        out = []
+        for x in items:
+            if isinstance(x, (dict, LazySample)):
+                out.append(self.prepare(x))
+            elif isinstance(x, (list, tuple)):
+                out.append(self.prepare_list(x))
+            elif isinstance(x, (str, *_PLAIN_SCALARS)) and not isinstance(x, np.generic):
+                if type(x) is float and not math.isfinite(x):
+                    raise FormatError(f"float {x!r} in a list: JSON has no NaN or infinity")
+                out.append(x)  # strings in lists stay plain: a list element has no key to carry extensions
+            else:
+                raise FormatError(f"a {type(x).__name__} directly inside a list cannot be stored in JINX (only "
+                                  "dict keys carry type extensions): wrap it in a dict, e.g. [{'value': x}]")
+        return out
+
+    def prepare_value(self, value: Any) -> tuple[Any, str | None]:
+        o = self.o
+        if isinstance(value, str):
+            if len(value) < o.short_limit:
+                return str(value), None
+            return self.store_bytes(value.encode("utf-8"), "str")
+        if isinstance(value, np.generic):
+            if isinstance(value, (np.bytes_, np.str_)):
+                return self.prepare_value(value.item())
+            name = str(value.dtype)
+            if name not in SCALAR_DTYPES:
+                raise FormatError(f"numpy scalars of dtype {name} cannot be stored: not one of "
+                                  f"{sorted(SCALAR_DTYPES)}; use a 0-d array instead")
+            item = value.item()
+            if type(item) is float and not math.isfinite(item) and not math.isnan(item):
+                raise FormatError(f"{value!r}: JSON has no infinity; store it in a numpy array instead")
+            return item, name
+        if isinstance(value, _PLAIN_SCALARS):
+            if type(value) is int and not -(2**63) <= value < 2**64:
+                raise FormatError(f"integer {value} does not fit in 64 bits (JSON numbers in JINX are int64/uint64)")
+            if type(value) is float and not math.isfinite(value):
+                raise FormatError(f"float {value!r}: JSON has no NaN or infinity (it would read back as None); "
+                                  "store it as a numpy scalar or array instead")
+            return value, None
+        if isinstance(value, (dict, LazySample)):
+            return self.prepare(value), None
+        if isinstance(value, (list, tuple)):
+            return self.prepare_list(value), None
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return self.store_bytes(value, "raw")
+        if isinstance(value, np.ndarray):
+            return self.store_bytes(save_npy(value), "npy")
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(value, torch.Tensor):
+            return self.store_bytes(save_pt(value), "pt")
+        raise FormatError(f"cannot store a value of type {type(value).__name__} in JINX: use str, bytes, numbers, "
+                          "bool, None, dicts, lists, numpy arrays or scalars, or torch tensors")
+
+    def store_bytes(self, data: Any, ext: str) -> tuple[Any, str | None]:
+        """MLDataForge's rules: compress if long enough and it pays; offload if over the sidecar threshold."""
+        o = self.o
+        exts = [ext]
+        if o.compression is not None and len(data) >= o.compress_threshold:
+            packed = compress_value(data, o.compression, o.level)
+            if len(packed) <= o.compress_ratio * len(data):
+                data = packed
+                exts.append(o.compression)
+        if o.binary_threshold is not None and len(data) > o.binary_threshold:
+            return self.offload(data), o.ext_sep.join([*exts, "bin"])
+        if exts == ["str"]:
+            return bytes(data).decode("utf-8"), None
+        return encode_text(data, o.encoding), o.ext_sep.join(exts)
+
+    def offload(self, data: Any) -> dict[str, int]:
+        if self.bin is None:
+            self.bin = open(sidecar_path(self.path), "wb")
+        offset = self.bin.tell()
+        self.bin.write(data)
+        return {"offset": offset, "length": len(data)}
+
+    # --- lines and footer ------------------------------------------------------------------------------
+    def write(self, sample: Any) -> None:
+        if not isinstance(sample, (dict, LazySample)):
+            raise FormatError(f"a JINX sample is a dict, got {type(sample).__name__}")
+        try:
+            line = orjson.dumps(self.prepare(sample))
+        except orjson.JSONEncodeError as e:
+            raise FormatError(f"sample cannot be written as JSON ({e})") from None
+        self.file.write(line)
+        self.file.write(b"\n")
+        self.pos += len(line) + 1
+        self.offsets.append(self.pos)
+
+    def close(self, shard_id: int, shard_prev: str | None, shard_next: str | None) -> None:
+        o = self.o
+        data = np.asarray(self.offsets, dtype="<u8").tobytes()
+        if o.binary_threshold is not None and len(data) > o.binary_threshold:
+            key, index = "index.npy.bin", self.offload(data)
+        else:
+            key = "index.npy"
+            if o.index_compression is not None and len(data) >= o.compress_threshold:
+                packed = compress_value(data, o.index_compression, o.index_level)
+                if len(packed) <= o.compress_ratio * len(data):
+                    data, key = packed, f"index.npy.{o.index_compression}"
+            index = encode_text(data, o.encoding)
+        key = key.replace(".", o.ext_sep)
+        footer: dict[str, Any] = {
+            key: index,
+            "num_samples": len(self.offsets) - 1,
+            "shard_id": shard_id,
+            "version": "1.0",
+            "encoding": o.encoding,
+            "binary_threshold": o.binary_threshold,
+            "compression": o.compression,
+            "index_compression": o.index_compression,
+            "compress_threshold": o.compress_threshold,
+            "compress_ratio": o.compress_ratio,
+            "ext_sep": o.ext_sep,
+        }
+        for name, value in (("shard_prev", shard_prev), ("shard_next", shard_next), ("split", o.split)):
+            if value:
+                footer[name] = value
+        self.file.write(orjson.dumps(footer))
+        self.file.write(f"\n{self.pos}\n".encode())
+        self.file.close()
+        if self.bin is not None:
+            self.bin.close()
+
+
+class JinxWriter:
+    """Write samples (dicts) into a folder of JINX shards that MLDataForge 0.6.x reads.
+
+    Args:
+        path: the output folder (created), or with ``shard_size=None`` the single shard file.
+        shard_size: start a new shard before a sample once the shard holds more than this many bytes of
+            lines plus index (MLDataForge's rule). None writes one file at ``path``.
+        compression: value compression (``zst``, ``gz``, ``bz2``, ``xz``, ``lz4``, ``snappy``, ``br``,
+            aliases and ``"name:level"`` accepted), or None.
+        index_compression: compression of the inline index, or None.
+        compress_threshold: values of at least this many bytes are compressed (strings of at least this
+            many characters are stored as bytes first).
+        compress_ratio: keep a compressed value only if it is at most this fraction of the original.
+        encoding: text encoding of inline binary data: ``a85``, ``b64`` or ``hex`` (MLDataForge 0.6.10
+            reads hex values but not a hex inline index).
+        binary_threshold: values over this many bytes go to the ``.binx`` sidecar; None keeps all inline.
+        split: a split name written into every footer (readers can filter on it).
+        ext_sep: the key-extension separator.
+
+    Use it as a context manager, or call :meth:`close`.
+
+    >>> with JinxWriter("data/train", encoding="b64") as w:  # doctest: +SKIP
+    ...     for s in samples:
+    ...         w.write(s)
+    """
+
+    def __init__(self, path: str | os.PathLike, *, shard_size: int | None = 2**26, compression: str | None = "zst",
+                 index_compression: str | None = "zst", compress_threshold: int = 128, compress_ratio: float = 0.67,
+                 encoding: str = "a85", binary_threshold: int | None = None, split: str | None = None,
+                 ext_sep: str = ".") -> None:
+        self.path = os.fspath(path)
+        self.compression, self.level = _parse_codec("compression", compression)
+        self.index_compression, self.index_level = _parse_codec("index_compression", index_compression)
+        if encoding not in ENCODINGS:
+            raise FormatError(f"encoding={encoding!r} is not one of {list(ENCODINGS)}")
+        for name, val, allow_none in (("shard_size", shard_size, True), ("compress_threshold", compress_threshold, False),
+                                      ("binary_threshold", binary_threshold, True)):
+            if (val is None and not allow_none) or (val is not None and (type(val) is not int or val < 0)):
+                raise FormatError(f"{name}={val!r} must be a non-negative integer" + (" or None" if allow_none else ""))
+        if isinstance(compress_ratio, bool) or not isinstance(compress_ratio, (int, float)) or compress_ratio <= 0:
+            raise FormatError(f"compress_ratio={compress_ratio!r} must be a positive number")
+        if not isinstance(ext_sep, str) or not ext_sep:
+            raise FormatError(f"ext_sep={ext_sep!r} must be a non-empty string")
+        if split is not None and not isinstance(split, str):
+            raise FormatError(f"split={split!r} must be a string or None")
+        self.shard_size = shard_size
+        self.compress_threshold = compress_threshold
+        self.compress_ratio = compress_ratio
+        self.encoding = encoding
+        self.binary_threshold = binary_threshold
+        self.split = split
+        self.ext_sep = ext_sep
+        self.short_limit = min(compress_threshold if self.compression is not None else _INF,
+                               binary_threshold if binary_threshold is not None else _INF)
+        self.shard_id = 0
+        self.num_samples = 0
+        self.files: list[str] = []
+        if shard_size is not None:
+            os.makedirs(self.path, exist_ok=True)
+        self._prev: str | None = None
+        self._shard: _ShardWriter | None = _ShardWriter(self._shard_path(0), self)
+        self.files.append(self._shard.path)
+
+    def _shard_path(self, shard_id: int) -> str:
+        return self.path if self.shard_size is None else os.path.join(self.path, SHARD_TEMPLATE.format(shard_id))
+
+    def write(self, sample: dict[str, Any]) -> None:
+        """Append one sample (a dict with string keys; see the module docs for the value types)."""
+        shard = self._shard
+        if shard is None:
+            raise FormatError("JinxWriter is closed", path=self.path)
+        if self.shard_size is not None and shard.pos + (len(shard.offsets) - 1) * 8 > self.shard_size:
+            nxt = self._shard_path(self.shard_id + 1)
+            shard.close(self.shard_id, self._prev, nxt)
+            self._prev = shard.path
+            self.shard_id += 1
+            shard = self._shard = _ShardWriter(nxt, self)
+            self.files.append(nxt)
+        shard.write(sample)
+        self.num_samples += 1
+
+    def close(self) -> None:
+        """Finish the last shard (its footer and index). Idempotent."""
+        if self._shard is not None:
+            self._shard.close(self.shard_id, self._prev, None)
+            self._shard = None
+
+    def __enter__(self) -> "JinxWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

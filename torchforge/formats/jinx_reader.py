@@ -1,0 +1,317 @@
+"""Reading one JINX shard: the footer, the index, the lines, and the decoding of values.
+
+Layout (as MLDataForge 0.6.x writes it): one JSON object per line; then a footer JSON line holding the
+index (``index.npy[.<compression>]`` inline as encoded text, or ``index.npy.bin`` in the sidecar; raw
+little-endian uint64 offsets, ``num_samples + 1`` of them, starting at 0) and the writer's settings; then
+a last line with the footer's byte offset. Binary values over the writer's threshold live in the
+``.binx`` sidecar beside the shard, referenced as ``{"offset": o, "length": n}``.
+
+The shard and its sidecar are memory-mapped once; the footer and every offset are checked against the
+file sizes before use, and every failure is a :class:`~torchforge.errors.FormatError` subclass naming the
+file and the byte offset.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import numpy as np
+import orjson
+
+from torchforge.errors import CodecError, CorruptShardError, FormatError, TorchforgeError
+from torchforge.formats.jinx_codec import (
+    ENCODINGS,
+    SCALAR_DTYPES,
+    SERIALIZATIONS,
+    decode_text,
+    decompress_value,
+    load_npy,
+    load_pt,
+)
+from torchforge.lazy import LazySample
+
+__all__ = ["JinxShard", "sidecar_path"]
+
+_MAX_FOOTER_DIGITS = 20
+_JSONDecodeError = orjson.JSONDecodeError
+
+
+def sidecar_path(path: str) -> str:
+    """The ``.binx`` sidecar of a shard (the shard's suffix replaced, as MLDataForge does)."""
+    return os.path.splitext(path)[0] + ".binx"
+
+
+def _mmap_file(path: str) -> tuple[Any, memoryview]:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return None, memoryview(b"")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return mm, memoryview(mm)
+
+
+class JinxShard:
+    """One ``.jinx`` file and its optional ``.binx`` sidecar, validated and memory-mapped.
+
+    Args:
+        path: the ``.jinx`` file.
+
+    Attributes:
+        num_samples: samples in the shard (as the footer says, checked against the index).
+        footer: the footer's JSON object (the index excluded).
+        split: the footer's split name, or None.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self.bin_path = sidecar_path(self.path)
+        self.aliases: dict[str, tuple[str, ...]] = {}
+        try:
+            self._mm, self._mv = _mmap_file(self.path)
+        except OSError as e:
+            raise FormatError(f"cannot open JINX shard ({e.strerror or e})", path=self.path) from e
+        self._bin_mv: memoryview | None = None
+        self._bin_mm: Any = None
+        self._read_footer()
+
+    # --- footer and index ----------------------------------------------------------------------------
+    def _fail(self, reason: str, offset: int | None, path: str | None = None) -> CorruptShardError:
+        return CorruptShardError(reason, path=path or self.path, offset=offset)
+
+    def _read_footer(self) -> None:
+        mv = self._mv
+        size = len(mv)
+        if size < 2 or mv[size - 1] != 0x0A:
+            raise self._fail(f"file of {size} bytes does not end with the footer-offset line "
+                             "(truncated or not a JINX shard)", size)
+        nl = (self._mm.rfind(b"\n", max(0, size - 2 - _MAX_FOOTER_DIGITS), size - 1)
+              if self._mm is not None else -1)
+        digits = bytes(mv[nl + 1:size - 1])
+        if nl < 0 or not digits.isdigit():
+            raise self._fail(f"last line {digits[-_MAX_FOOTER_DIGITS:]!r} is not the footer's byte offset "
+                             "(truncated or not a JINX shard)", max(nl + 1, 0))
+        foot = int(digits)
+        if foot >= nl or (foot > 0 and mv[foot - 1] != 0x0A):
+            raise self._fail(f"footer offset {foot} is not the start of a line before the last one "
+                             f"(footer line ends at byte {nl})", nl + 1)
+        try:
+            footer = orjson.loads(mv[foot:nl])
+        except _JSONDecodeError as e:
+            raise self._fail(f"footer is not valid JSON ({e})", foot) from None
+        if type(footer) is not dict:
+            raise self._fail(f"footer is a JSON {type(footer).__name__}, expected an object", foot)
+        self._footer_offset = foot
+        self.ext_sep = footer.get("ext_sep", ".")
+        self.encoding = footer.get("encoding", "a85")
+        n = footer.get("num_samples")
+        if type(n) is not int or n < 0:
+            raise self._fail(f"footer num_samples={n!r} is not a non-negative integer", foot)
+        if type(self.ext_sep) is not str or not self.ext_sep:
+            raise self._fail(f"footer ext_sep={self.ext_sep!r} is not a non-empty string", foot)
+        if self.encoding not in ENCODINGS:
+            raise self._fail(f"footer encoding={self.encoding!r} is not one of {list(ENCODINGS)}", foot)
+        prefix = "index" + self.ext_sep
+        keys = [k for k in footer if k.startswith(prefix)]
+        if len(keys) != 1:
+            raise self._fail(f"footer has {len(keys)} index entries ({keys}), expected one 'index.npy...'", foot)
+        index_value = footer.pop(keys[0])
+        offsets = self._decode_index(keys[0], index_value, foot)
+        if len(offsets) != n + 1:
+            raise self._fail(f"index has {len(offsets)} offsets, footer num_samples={n} needs {n + 1}", foot)
+        if offsets[0] != 0:
+            raise self._fail(f"index starts at {int(offsets[0])}, expected 0", foot)
+        if n and not bool(np.all(offsets[1:] > offsets[:-1])):
+            bad = int(np.argmax(offsets[1:] <= offsets[:-1]))
+            raise self._fail(f"index offsets out of order: sample {bad} spans {int(offsets[bad])}.."
+                             f"{int(offsets[bad + 1])}", int(offsets[bad]))
+        if int(offsets[-1]) != foot:
+            raise self._fail(f"index ends at {int(offsets[-1])} but the footer starts at {foot}",
+                             min(int(offsets[-1]), size))
+        self.num_samples = n
+        self.footer = footer
+        self.split = footer.get("split")
+        self.offsets = offsets
+        self._offs = memoryview(np.ascontiguousarray(offsets, dtype=np.uint64)).cast("B").cast("Q")
+
+    def _decode_index(self, key: str, value: Any, foot: int) -> np.ndarray:
+        exts = key.split(self.ext_sep)[1:]
+        data, _ = self._payload(key, exts, value, foot)
+        if not exts or exts[0] != "npy":
+            raise self._fail(f"index key {key!r} does not start with the npy serialization", foot)
+        for ext in reversed(exts[1:]):
+            data = decompress_value(data, ext, path=self.path, offset=foot)
+        if bytes(data[:6]) == b"\x93NUMPY":  # a real .npy file (MLDataForge itself writes raw uint64)
+            try:
+                arr = load_npy(data, zero_copy=True)
+            except ValueError as e:
+                raise self._fail(f"index is not a valid .npy array ({e})", foot) from None
+            if arr.ndim != 1 or arr.dtype.kind not in "ui":
+                raise self._fail(f"index array is {arr.dtype}{arr.shape}, expected 1-d integers", foot)
+            return arr.astype(np.uint64)
+        if len(data) % 8:
+            raise self._fail(f"index of {len(data)} bytes is not a whole number of uint64 offsets", foot)
+        return np.frombuffer(data, dtype="<u8")
+
+    # --- sidecar -----------------------------------------------------------------------------------
+    def sidecar(self, loc: Any, offset: int) -> memoryview:
+        """The bytes ``{"offset": o, "length": n}`` points at in the sidecar, as a zero-copy view.
+
+        Args:
+            loc: the location object from the shard.
+            offset: byte offset in the shard of the line that holds ``loc`` (for errors).
+        """
+        if type(loc) is not dict:
+            raise self._fail(f"sidecar reference is a {type(loc).__name__}, expected "
+                             "{'offset': int, 'length': int}", offset)
+        o, n = loc.get("offset"), loc.get("length")
+        if type(o) is not int or type(n) is not int or o < 0 or n < 0:
+            raise self._fail(f"sidecar reference {loc!r} needs non-negative integer offset and length", offset)
+        bmv = self._bin_mv
+        if bmv is None:
+            bmv = self._open_sidecar(offset)
+        if o + n > len(bmv):
+            raise self._fail(f"value at sidecar bytes {o}..{o + n} is past its end ({len(bmv)} bytes): "
+                             "truncated or wrong sidecar", o, self.bin_path)
+        return bmv[o:o + n]
+
+    def _open_sidecar(self, offset: int) -> memoryview:
+        try:
+            self._bin_mm, self._bin_mv = _mmap_file(self.bin_path)
+        except FileNotFoundError:
+            raise self._fail(f"sample needs the sidecar {os.path.basename(self.bin_path)}, which is missing",
+                             offset) from None
+        except OSError as e:
+            raise self._fail(f"cannot open the sidecar ({e.strerror or e})", None, self.bin_path) from e
+        return self._bin_mv
+
+    # --- lines -----------------------------------------------------------------------------------------
+    def sample(self, j: int, lazy: bool = True) -> Any:
+        """Sample ``j`` (0 <= j < num_samples, not checked here): a LazySample or a plain dict."""
+        offs = self._offs
+        start = offs[j]
+        try:
+            obj = orjson.loads(self._mv[start:offs[j + 1]])
+        except _JSONDecodeError as e:
+            raise self._fail(f"sample {j} is not a JSON line ({e})", start) from None
+        if type(obj) is not dict:
+            raise self._fail(f"sample {j} is a JSON {type(obj).__name__}, expected an object", start)
+        return LazySample(obj, self, start) if lazy else self.eager(obj, start)
+
+    def iter_samples(self, lazy: bool = True, start: int = 0,
+                     on_error: Callable[[TorchforgeError], None] | None = None) -> Iterator[Any]:
+        """Samples ``start..num_samples-1`` in order; ``on_error`` (if given) takes a bad line's error."""
+        offs, mv, loads, n = self._offs, self._mv, orjson.loads, self.num_samples
+        prev = offs[start] if start < n else 0
+        for j in range(start + 1, n + 1):
+            end = offs[j]
+            try:
+                obj = loads(mv[prev:end])
+                if type(obj) is not dict:
+                    raise self._fail(f"sample {j - 1} is a JSON {type(obj).__name__}, expected an object", prev)
+                out = LazySample(obj, self, prev) if lazy else self.eager(obj, prev)
+            except _JSONDecodeError as e:
+                if on_error is None:
+                    raise self._fail(f"sample {j - 1} is not a JSON line ({e})", prev) from None
+                on_error(self._fail(f"sample {j - 1} is not a JSON line ({e})", prev))
+                prev = end
+                continue
+            except TorchforgeError as e:
+                if on_error is None:
+                    raise
+                on_error(e)
+                prev = end
+                continue
+            prev = end
+            yield out
+
+    # --- values ------------------------------------------------------------------------------------
+    def decode(self, raw_key: str, value: Any, offset: int) -> Any:
+        """Decode ``value`` stored under ``raw_key`` (extensions included) in the line at ``offset``."""
+        exts = raw_key.split(self.ext_sep)[1:]
+        if len(exts) == 1 and exts[0] in SCALAR_DTYPES:
+            return self._scalar(raw_key, exts[0], value, offset)
+        data, zero_copy = self._payload(raw_key, exts, value, offset)
+        for i in range(len(exts) - 1, -1, -1):
+            ext = exts[i]
+            if ext in SERIALIZATIONS:
+                if i:
+                    raise FormatError(f"key {raw_key!r}: serialization {ext!r} must be the innermost extension",
+                                      path=self.path, offset=offset)
+                return self._deserialize(raw_key, ext, data, zero_copy, offset)
+            data = decompress_value(data, ext, path=self.path, offset=offset)
+            zero_copy = False
+        try:
+            return orjson.loads(data)
+        except _JSONDecodeError as e:
+            raise self._fail(f"value of {raw_key!r} is not valid JSON after decompression ({e})", offset) from None
+
+    def _payload(self, raw_key: str, exts: list[str], value: Any, offset: int) -> tuple[Any, bool]:
+        """The stored bytes of a value: from the sidecar (``bin``, popped from ``exts``; a zero-copy
+        view) or decoded from the shard's text encoding."""
+        if exts[-1] == "bin":
+            exts.pop()
+            return self.sidecar(value, offset), True
+        if type(value) is not str:
+            raise self._fail(f"value of {raw_key!r} is a JSON {type(value).__name__}, expected "
+                             f"{self.encoding} text", offset)
+        try:
+            return decode_text(value, self.encoding), False
+        except (ValueError, TypeError) as e:
+            raise self._fail(f"value of {raw_key!r} is not valid {self.encoding} text ({e})", offset) from None
+
+    def _deserialize(self, raw_key: str, ext: str, data: Any, zero_copy: bool, offset: int) -> Any:
+        try:
+            if ext == "raw":
+                return data
+            if ext == "str":
+                return str(data, "utf-8")
+            if ext == "npy":
+                return load_npy(data, zero_copy=zero_copy)
+            if ext == "pt":
+                return load_pt(data)
+        except (CodecError, FormatError):
+            raise
+        except Exception as e:  # UnicodeDecodeError, numpy's and torch's own errors
+            raise self._fail(f"value of {raw_key!r} is not valid {ext} data ({type(e).__name__}: {e})",
+                             offset) from None
+        raise self._fail(f"key {raw_key!r}: numpy scalar extension {ext!r} on binary data", offset)
+
+    def _scalar(self, raw_key: str, dtype: str, value: Any, offset: int) -> Any:
+        t = type(value)
+        if t is int or t is float or t is bool or (value is None and dtype.startswith("float")):
+            try:
+                return np.dtype(dtype).type(np.nan if value is None else value)
+            except (OverflowError, ValueError) as e:
+                raise self._fail(f"value of {raw_key!r} does not fit {dtype} ({e})", offset) from None
+        raise self._fail(f"value of {raw_key!r} is a JSON {t.__name__}, expected a number for {dtype}", offset)
+
+    def eager(self, obj: Any, offset: int) -> Any:
+        """Decode a parsed line (or part of it) completely into plain dicts and lists."""
+        t = type(obj)
+        if t is dict:
+            out = {}
+            sep = self.ext_sep
+            for k, v in obj.items():
+                if sep in k:
+                    name = k.partition(sep)[0]
+                    v = self.decode(k, v, offset)
+                    if type(v) is memoryview:
+                        v = v.tobytes()
+                elif type(v) is dict or type(v) is list:
+                    name, v = k, self.eager(v, offset)
+                else:
+                    name = k
+                if name in out:
+                    raise self._fail(f"key {name!r} appears twice (with different extensions)", offset)
+                out[name] = v
+            return out
+        if t is list:
+            return [self.eager(x, offset) for x in obj]
+        return obj
+
+    def close(self) -> None:
+        """Drop the memory maps (they close once no view into them is alive)."""
+        self._mv = self._bin_mv = None  # type: ignore[assignment]
+        self._mm = self._bin_mm = None
