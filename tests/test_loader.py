@@ -1,0 +1,303 @@
+"""torchforge.DataLoader: order, exactly once, worker death, user errors, resume, shutdown without leaks."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import signal
+import time
+from multiprocessing import resource_tracker
+
+import numpy as np
+import pytest
+import torch
+
+from torchforge.errors import WorkerError
+from torchforge.loader import DataLoader
+
+
+class Samples:
+    """Multimodal-like samples: int id, ragged bytes image, chat messages, a fixed-size array."""
+
+    def __init__(self, n: int, *, jitter: float = 0.0):
+        self.n, self.jitter = n, jitter
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        if self.jitter:  # scramble which worker finishes first
+            time.sleep(self.jitter * ((i * 7919) % 5))
+        return {"id": i, "image": bytes([i % 251]) * (100 + (i * 37) % 900),
+                "messages": [{"role": "user", "content": f"q{i}"}] * (1 + i % 3),
+                "vec": np.full(4, i, dtype=np.float32)}
+
+
+class Failing(Samples):
+    """Raises ValueError on the given indices."""
+
+    def __init__(self, n: int, bad: set[int]):
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> dict:
+        if i in self.bad:
+            raise ValueError(f"bad sample {i}")
+        return super().__getitem__(i)
+
+
+class Dying(Samples):
+    """Kills its own process the first time (or every time) it reads index ``at``."""
+
+    def __init__(self, n: int, at: int, marker: str, how: str = "kill", always: bool = False):
+        super().__init__(n)
+        self.at, self.marker, self.how, self.always = at, marker, how, always
+
+    def __getitem__(self, i: int) -> dict:
+        if i == self.at and (self.always or not os.path.exists(self.marker)):
+            open(self.marker, "w").close()
+            if self.how == "segv":
+                ctypes.string_at(0)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
+class Slow(Samples):
+    def __getitem__(self, i: int) -> dict:
+        time.sleep(5)
+        return super().__getitem__(i)
+
+
+def _children() -> set[int]:
+    me, kids = str(os.getpid()), set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == me and fields[0] != "Z":
+                kids.add(int(pid))
+    return kids
+
+
+def _our_shm() -> set[str]:
+    # other programs on the machine use /dev/shm concurrently; ours are named torchforge-*
+    return {n for n in os.listdir("/dev/shm") if n.startswith("torchforge")}
+
+
+@pytest.fixture
+def no_leaks():
+    """Fails the test if it leaves a /dev/shm entry, a child process or an open descriptor behind."""
+    resource_tracker.ensure_running()  # multiprocessing's shared helper (spawn starts it once): not ours
+    gc.collect()
+    shm, kids, fds = _our_shm(), _children(), set(os.listdir("/proc/self/fd"))
+    yield
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _children() - kids and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _our_shm() == shm
+    assert _children() - kids == set()
+    assert set(os.listdir("/proc/self/fd")) - fds == set()
+
+
+def _ids(loader) -> list[list[int]]:
+    return [b["id"].tolist() for b in loader]
+
+
+def _expected(order: list[int], bs: int, drop_last: bool = False) -> list[list[int]]:
+    out = [order[i:i + bs] for i in range(0, len(order), bs)]
+    return out[:-1] if drop_last and out and len(out[-1]) < bs else out
+
+
+def test_batches_in_sampler_order_exactly_once(no_leaks):
+    ds = Samples(203, jitter=0.0004)
+    sampler = np.random.default_rng(1).permutation(203).tolist()
+    got = _ids(DataLoader(ds, 16, sampler=sampler, num_workers=2, prefetch=6))
+    assert got == _expected(sampler, 16)
+    flat = sorted(i for b in got for i in b)
+    assert flat == list(range(203))
+
+
+def test_batch_contents_and_default_collate(no_leaks):
+    batches = list(DataLoader(Samples(10), 4, num_workers=2))
+    b = batches[1]
+    assert b["id"].dtype == torch.int64 and b["id"].tolist() == [4, 5, 6, 7]
+    lens = [100 + (i * 37) % 900 for i in range(4, 8)]
+    assert b["image"]["lengths"].tolist() == lens
+    data = b["image"]["data"]
+    assert data.dtype == torch.uint8 and data.shape == (4, max(lens))
+    for row, i, n in zip(data, range(4, 8), lens):
+        assert bool((row[:n] == i % 251).all()) and bool((row[n:] == 0).all())
+    assert b["messages"][0] == [{"role": "user", "content": "q4"}] * 2
+    assert torch.equal(b["vec"], torch.arange(4, 8, dtype=torch.float32)[:, None].expand(4, 4))
+    assert [len(x["id"]) for x in batches] == [4, 4, 2]
+
+
+def test_num_workers_zero_gives_the_same_batches(no_leaks):
+    kw = dict(shuffle=True, seed=3, drop_last=True)
+    a = list(DataLoader(Samples(50), 8, num_workers=0, **kw))
+    b = list(DataLoader(Samples(50), 8, num_workers=2, **kw))
+    assert len(a) == len(b) == 6
+    for x, y in zip(a, b):
+        assert torch.equal(x["id"], y["id"]) and torch.equal(x["image"]["data"], y["image"]["data"])
+        assert x["messages"] == y["messages"]
+    assert sorted(i for x in a for i in x["id"].tolist()) != list(range(48))  # shuffled, dropped 2
+
+
+def test_held_batch_is_never_overwritten(no_leaks):
+    loader = DataLoader(Samples(400), 8, num_workers=2, prefetch=2)
+    it = iter(loader)
+    first = next(it)
+    snapshot = first["image"]["data"].clone()
+    rest = [b["id"].tolist() for b in it]
+    assert torch.equal(first["image"]["data"], snapshot) and first["id"].tolist() == list(range(8))
+    assert len(rest) == 49
+    assert len(it._pool._slabs) <= loader.prefetch + 3 if it._pool._slabs else True  # slabs were recycled
+
+
+@pytest.mark.parametrize("how", ["kill", "segv"])
+def test_dead_worker_is_replaced_and_batches_reissued(tmp_path, how, no_leaks):
+    ds = Dying(120, at=37, marker=str(tmp_path / "died"), how=how)
+    got = _ids(DataLoader(ds, 10, num_workers=2))
+    assert os.path.exists(tmp_path / "died")
+    assert got == _expected(list(range(120)), 10)
+
+
+def test_worker_killed_from_outside_mid_epoch(no_leaks):
+    loader = DataLoader(Samples(300, jitter=0.0002), 10, num_workers=2, prefetch=4)
+    it = iter(loader)
+    got = [next(it)["id"].tolist() for _ in range(3)]
+    os.kill(it._workers.procs[0].pid, signal.SIGKILL)
+    got += [b["id"].tolist() for b in it]
+    assert got == _expected(list(range(300)), 10)
+
+
+def test_batch_that_always_kills_its_worker_raises_after_max_retries(tmp_path, no_leaks):
+    ds = Dying(40, at=12, marker=str(tmp_path / "m"), always=True)
+    loader = DataLoader(ds, 10, num_workers=2, max_retries=1)
+    with pytest.raises(WorkerError, match="max_retries=1"):
+        list(loader)
+
+
+def test_user_exception_is_raised_with_worker_traceback(no_leaks):
+    loader = DataLoader(Failing(50, {23}), 5, num_workers=2)
+    seen = []
+    with pytest.raises(WorkerError) as err:
+        for b in loader:
+            seen.append(b["id"].tolist())
+    assert seen == _expected(list(range(20)), 5)  # every batch before the failing one arrived, in order
+    msg = str(err.value)
+    assert "ValueError: bad sample 23" in msg and "Traceback" in msg and "__getitem__" in msg
+
+
+def test_user_exception_in_process_is_the_original(no_leaks):
+    with pytest.raises(ValueError, match="bad sample 3"):
+        list(DataLoader(Failing(10, {3}), 5, num_workers=0))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_mode_counts_and_drops_failing_samples(workers, no_leaks):
+    bad = {3, 4, 17}
+    loader = DataLoader(Failing(30, bad), 5, num_workers=workers, on_error="skip")
+    got = _ids(loader)
+    assert [i for b in got for i in b] == [i for i in range(30) if i not in bad]
+    assert loader.skipped == 3
+    assert got[0] == [0, 1, 2]
+
+
+def test_skip_mode_drops_a_batch_whose_samples_all_fail(no_leaks):
+    loader = DataLoader(Failing(15, set(range(5, 10))), 5, num_workers=2, on_error="skip")
+    assert _ids(loader) == [[0, 1, 2, 3, 4], [10, 11, 12, 13, 14]]
+    assert loader.skipped == 5
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_mid_epoch_is_exact(workers, no_leaks):
+    def make():
+        return DataLoader(Samples(97), 8, shuffle=True, seed=11, num_workers=workers)
+
+    full = _ids(make())
+    loader = make()
+    it = iter(loader)
+    head = [next(it)["id"].tolist() for _ in range(5)]
+    state = loader.state_dict()
+    assert state == {"epoch": 0, "batch": 5}
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + _ids(resumed) == full
+    assert resumed.state_dict() == {"epoch": 1, "batch": 0}
+    epoch1 = _ids(resumed)  # the next epoch is reshuffled, and a fresh loader resumed there agrees
+    assert epoch1 != full and sorted(sum(epoch1, [])) == list(range(97))
+    other = make()
+    other.load_state_dict({"epoch": 1, "batch": 0})
+    assert _ids(other) == epoch1
+
+
+def test_break_restarts_the_epoch_and_state_roundtrips(no_leaks):
+    loader = DataLoader(Samples(40), 10, num_workers=2)
+    for _ in loader:
+        break
+    assert loader.state_dict() == {"epoch": 0, "batch": 1}
+    assert _ids(loader)[0] == list(range(10))
+    with pytest.raises(ValueError, match="epoch"):
+        loader.load_state_dict({"batch": 1})
+
+
+def test_shutdown_after_break_exception_interrupt_and_gc(no_leaks):
+    loader = DataLoader(Samples(200), 10, num_workers=2)
+    for _ in loader:
+        break
+    with pytest.raises(RuntimeError):
+        for _ in loader:
+            raise RuntimeError("user code failed")
+    with pytest.raises(KeyboardInterrupt):
+        for _ in loader:
+            raise KeyboardInterrupt
+    it = iter(loader)
+    keep = next(it)
+    del it, loader
+    gc.collect()
+    assert keep["id"].tolist() == list(range(10))  # a batch outlives its loader
+
+
+def test_timeout_raises_worker_error(no_leaks):
+    with pytest.raises(WorkerError, match="timeout"):
+        list(DataLoader(Slow(4), 2, num_workers=1, timeout=0.3))
+
+
+def test_custom_collate_and_sampler_and_device_cpu(no_leaks):
+    def collate(samples):
+        return {"ids": [s["id"] for s in samples], "vec": torch.stack([torch.from_numpy(s["vec"]) for s in samples])}
+
+    loader = DataLoader(Samples(20), 6, sampler=range(19, -1, -1), collate_fn=collate, num_workers=2,
+                        device="cpu", drop_last=True)
+    got = list(loader)
+    assert [b["ids"] for b in got] == _expected(list(range(19, -1, -1)), 6, drop_last=True)
+    assert got[0]["vec"][0, 0].item() == 19.0 and len(loader) == 3
+
+
+def test_spawn_context_works(no_leaks):
+    got = _ids(DataLoader(Samples(12), 4, num_workers=1, multiprocessing_context="spawn"))
+    assert got == _expected(list(range(12)), 4)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="on_error"):
+        DataLoader(Samples(4), 2, on_error="ignore")
+    with pytest.raises(ValueError, match="batch_size"):
+        DataLoader(Samples(4), 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available on this machine")
+def test_cuda_device_batches_match_host_batches(no_leaks):  # pragma: no cover - runs on GPU machines
+    host = list(DataLoader(Samples(64), 8, num_workers=2))
+    dev = list(DataLoader(Samples(64), 8, num_workers=2, device="cuda"))
+    for h, d in zip(host, dev):
+        assert d["image"]["data"].is_cuda and torch.equal(h["image"]["data"], d["image"]["data"].cpu())
+        assert torch.equal(h["id"], d["id"].cpu())

@@ -1,0 +1,258 @@
+"""Shared-memory slabs: the memory batches travel in from workers to the main process.
+
+A slab is one anonymous memory file (``memfd_create``; a ``/dev/shm`` file where that is missing). The
+main process creates and owns every slab; a worker opens one by path (``/proc/<main pid>/fd/<fd>``),
+bump-allocates a batch into it, grows the file if the batch needs more room, and reports how many bytes
+it used. The main process then maps the same pages and hands out tensors that point into them: no copy.
+
+Release: :meth:`SlabPool.lease` returns a fresh numpy base array over the used bytes. Every tensor or
+array of the decoded batch is a view of that base, and a ``weakref.finalize`` on the base puts the slab
+back on the free list when the last view is garbage collected. A slab is only given to a worker while
+it is free, so a batch the user still holds is never overwritten.
+
+Leaks: a memfd has no name, so nothing is left in ``/dev/shm`` even if the main process is killed; its
+pages are freed when the last descriptor and mapping go away. The ``/dev/shm`` fallback unlinks its files
+in :meth:`SlabPool.close` (and at interpreter exit through a finalizer).
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import mmap
+import os
+import tempfile
+import weakref
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["Arena", "HeapArena", "SlabPool", "SlabWriter", "ALIGN"]
+
+log = logging.getLogger(__name__)
+ALIGN = 64
+_GROW_STEP = 1 << 20  # slab files grow in whole MiB
+_ids = itertools.count()
+
+
+def _round_up(n: int, step: int) -> int:
+    return (n + step - 1) // step * step
+
+
+def _memfd_ok() -> bool:
+    if not hasattr(os, "memfd_create"):
+        return False
+    try:
+        fd = os.memfd_create("torchforge-probe", os.MFD_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        os.close(os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_RDWR))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+class _Slab:
+    __slots__ = ("id", "fd", "path", "unlink", "mm", "mapped")
+
+    def __init__(self, fd: int, path: str, unlink: bool):
+        self.id = next(_ids)
+        self.fd, self.path, self.unlink = fd, path, unlink
+        self.mm: mmap.mmap | None = None
+        self.mapped = 0
+
+    def map(self, nbytes: int) -> mmap.mmap:
+        """The main-process mapping, remapped larger when a worker grew the file."""
+        if self.mm is None or self.mapped < nbytes:
+            size = os.fstat(self.fd).st_size
+            if size < nbytes:
+                raise OSError(f"slab {self.path} holds {size} bytes, a worker reported {nbytes}")
+            # An older, smaller mapping may still be exported by a batch the user holds: it stays valid
+            # (same pages) and is unmapped by refcounting when that batch dies.
+            self.mm = mmap.mmap(self.fd, size)
+            self.mapped = size
+        return self.mm
+
+
+class SlabPool:
+    """The main process's slabs: free list, leases and release on garbage collection.
+
+    Args:
+        on_map: called as ``on_map(mm)`` after each new mapping (used to page-lock it for CUDA).
+        use_memfd: force the memfd (True) or ``/dev/shm`` file (False) backing; None picks memfd if usable.
+    """
+
+    def __init__(self, *, on_map: Callable[[mmap.mmap], None] | None = None, use_memfd: bool | None = None):
+        self._memfd = _memfd_ok() if use_memfd is None else use_memfd
+        self._slabs: dict[int, _Slab] = {}
+        self._free: collections.deque[int] = collections.deque()
+        self._on_map = on_map
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _close_all, self._slabs)
+
+    def __len__(self) -> int:
+        return len(self._slabs)
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> tuple[int, str]:
+        """A free slab (a new one if none is free): its id and the path a worker opens it by."""
+        while self._free:
+            sid = self._free.popleft()
+            slab = self._slabs.get(sid)
+            if slab is not None:
+                return sid, slab.path
+        if self._memfd:
+            fd = os.memfd_create(f"torchforge-slab-{len(self._slabs)}", os.MFD_CLOEXEC)
+            slab = _Slab(fd, f"/proc/{os.getpid()}/fd/{fd}", unlink=False)
+        else:
+            fd, path = tempfile.mkstemp(prefix="torchforge-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            slab = _Slab(fd, path, unlink=True)
+        self._slabs[slab.id] = slab
+        return slab.id, slab.path
+
+    def path(self, sid: int) -> str:
+        return self._slabs[sid].path
+
+    def release(self, sid: int) -> None:
+        """Return a slab whose contents nobody references (a task that produced no batch)."""
+        if not self._closed and sid in self._slabs:
+            self._free.append(sid)
+
+    def lease(self, sid: int, used: int) -> np.ndarray:
+        """A fresh uint8 base array over the first ``used`` bytes; the slab is freed when it dies."""
+        slab = self._slabs[sid]
+        old = slab.mm
+        mm = slab.map(used)
+        if mm is not old and self._on_map is not None:
+            self._on_map(mm)
+        base = np.frombuffer(mm, dtype=np.uint8, count=used)
+        weakref.finalize(base, self.release, sid)
+        return base
+
+    def close(self) -> None:
+        """Close every descriptor (and unlink fallback files); mappings users still hold stay valid."""
+        self._closed = True
+        self._free.clear()
+        self._finalizer()
+
+
+def _close_all(slabs: dict[int, _Slab]) -> None:
+    for slab in slabs.values():
+        try:
+            os.close(slab.fd)
+        except OSError:
+            pass
+        if slab.unlink:
+            try:
+                os.unlink(slab.path)
+            except OSError:
+                pass
+        slab.mm = None
+    slabs.clear()
+
+
+class Arena:
+    """Bump allocator over one slab for one task, on the worker side. Grows the slab file as needed."""
+
+    def __init__(self, fd: int, mm: mmap.mmap, maps: list[tuple[int, int, mmap.mmap]]):
+        self._fd = fd
+        self._mm = mm
+        self._maps = maps  # (address, size, mmap) of every mapping handed out in this task
+        self.used = 0
+
+    @property
+    def size(self) -> int:
+        return len(self._mm)
+
+    def put(self, nbytes: int) -> tuple[int, np.ndarray]:
+        """Room for ``nbytes``: its 64-byte-aligned slab offset and a writable uint8 array over it."""
+        off = _round_up(self.used, ALIGN)
+        end = off + nbytes
+        if end > len(self._mm):
+            self._grow(end)
+        self.used = end
+        return off, np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=off)
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        """A writable uint8 array of ``nbytes`` in the slab (64-byte aligned)."""
+        return self.put(nbytes)[1]
+
+    def _grow(self, need: int) -> None:
+        size = _round_up(max(need, 2 * len(self._mm)), _GROW_STEP)
+        os.ftruncate(self._fd, size)
+        self._mm = mmap.mmap(self._fd, size)
+        self._maps.append((_address(self._mm), size, self._mm))
+
+    def offset_of(self, ptr: int, nbytes: int) -> int | None:
+        """The slab offset of ``[ptr, ptr + nbytes)`` if that memory lies in this arena's slab."""
+        for addr, size, _ in self._maps:
+            if addr <= ptr and ptr + nbytes <= addr + size:
+                return ptr - addr
+        return None
+
+
+class HeapArena:
+    """The arena of the in-process path (``num_workers=0``): plain heap memory, nothing shared."""
+
+    used = 0
+
+    def put(self, nbytes: int) -> tuple[int, np.ndarray]:
+        return 0, np.empty(nbytes, dtype=np.uint8)
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def offset_of(self, ptr: int, nbytes: int) -> int | None:
+        return None
+
+
+def _address(mm: mmap.mmap) -> int:
+    if len(mm) == 0:
+        return 0
+    probe = np.frombuffer(mm, dtype=np.uint8, count=1)
+    addr = probe.ctypes.data
+    del probe
+    return addr
+
+
+class SlabWriter:
+    """The worker's side: opens slabs by path once, keeps them mapped, starts one arena per task."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, tuple[int, mmap.mmap]] = {}
+
+    def begin(self, path: str) -> Arena:
+        entry = self._open.get(path)
+        if entry is None:
+            fd = os.open(path, os.O_RDWR)
+            entry = (fd, _map_whole(fd))
+        fd, mm = entry
+        size = os.fstat(fd).st_size
+        if size != len(mm) and size > 0:  # grown by another worker since we mapped it
+            mm = _map_whole(fd)
+        self._open[path] = (fd, mm)
+        return Arena(fd, mm, [(_address(mm), len(mm), mm)])
+
+    def end(self, path: str, arena: Arena) -> None:
+        """Keep the arena's newest mapping for the next task on this slab."""
+        fd, _ = self._open[path]
+        self._open[path] = (fd, arena._mm)
+
+    def close(self) -> None:
+        for fd, _ in self._open.values():
+            os.close(fd)
+        self._open.clear()
+
+
+def _map_whole(fd: int) -> mmap.mmap:
+    size = os.fstat(fd).st_size
+    if size == 0:
+        os.ftruncate(fd, _GROW_STEP)
+        size = _GROW_STEP
+    return mmap.mmap(fd, size)
