@@ -18,10 +18,11 @@ dict-of-small-sets case) as lengths plus one flattened list.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -44,11 +45,12 @@ def encode(obj: Any, arena: Arena | HeapArena) -> tuple[int, int]:
     Raises:
         TypeError: ``obj`` holds a type that cannot travel (see the module docstring).
     """
-    node = _enc(obj, arena)
-    try:
-        header = orjson.dumps(node)
-    except orjson.JSONEncodeError as e:  # lone surrogates in a str, for instance
-        raise TypeError(f"batch cannot be encoded for transport: {e}") from None
+    with _no_gc():
+        node = _enc(obj, arena)
+        try:
+            header = orjson.dumps(node)
+        except orjson.JSONEncodeError as e:  # lone surrogates in a str, for instance
+            raise TypeError(f"batch cannot be encoded for transport: {e}") from None
     off, dst = arena.put(len(header))
     dst[:] = np.frombuffer(header, dtype=np.uint8)
     return off, len(header)
@@ -161,10 +163,9 @@ def _seq(items: list, arena: Arena | HeapArena) -> list:
             off, dst = arena.put(len(blob))
             dst[:] = np.frombuffer(blob, dtype=np.uint8)
             return ["Ly", off, list(map(len, items))]
-        if t in _CONTAINER_TAGS:
-            inner = items if t is list else list(map(list, items))
-            flat = list(itertools.chain.from_iterable(inner))
-            return ["Lc", _CONTAINER_TAGS[t], list(map(len, inner)), _seq(flat, arena)]
+        if t in _CONTAINER_TAGS:  # iterating a set twice visits its items in the same order
+            flat = list(itertools.chain.from_iterable(items))
+            return ["Lc", _CONTAINER_TAGS[t], list(map(len, items)), _seq(flat, arena)]
     return ["L", [_enc(x, arena) for x in items]]
 
 
@@ -190,12 +191,20 @@ _ENCODERS = {
 # --- decoding -----------------------------------------------------------------------------------------
 def decode(base: np.ndarray, header_offset: int, header_length: int) -> Any:
     """Rebuild an object from its slab: tensors and arrays are views of ``base`` (no copy)."""
-    node = orjson.loads(memoryview(base[header_offset:header_offset + header_length]))
+    with _no_gc():
+        node = orjson.loads(memoryview(base[header_offset:header_offset + header_length]))
+        return _dec(node, base)
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Pause the cyclic GC: building many small acyclic objects would trigger needless full passes over
+    a large heap (pickle pays them; we do not need to)."""
     enabled = gc.isenabled()
-    if enabled:  # building many small objects would trigger needless collections
+    if enabled:
         gc.disable()
     try:
-        return _dec(node, base)
+        yield
     finally:
         if enabled:
             gc.enable()
