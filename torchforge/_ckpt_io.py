@@ -194,6 +194,6 @@ def verify_files(folder: str, entries: Mapping[str, Mapping[str, Any]], *, check
 def _crc_block(path: str, b: int) -> int:
     with open(path, "rb", buffering=0) as f:
         f.seek(b * BLOCK)
-        buf = bytearray(BLOCK)
+        buf = bytearray(max(0, min(BLOCK, os.fstat(f.fileno()).st_size - b * BLOCK)))
         n = f.readinto(buf)
         return zlib.crc32(memoryview(buf)[:n])
