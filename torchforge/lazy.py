@@ -45,7 +45,7 @@ class LazySample(Mapping):
     def __getitem__(self, key: str) -> Any:
         raw = self._raw
         v = raw.get(key, _MISSING)
-        if v is not _MISSING and type(v) in _PLAIN and self._src.ext_sep not in key:
+        if v is not _MISSING and type(v) in _PLAIN and "." not in key:  # "." for speed; _slow checks ext_sep
             return v
         return self._slow(key, v)
 
@@ -116,7 +116,7 @@ def _wrap(v: Any, src: LazySource, offset: int) -> Any:
     if t is list:
         for x in v:
             if type(x) is dict or type(x) is list:
-                return [_wrap(x, src, offset) for x in v]
+                return [LazySample(x, src, offset) if type(x) is dict else _wrap(x, src, offset) for x in v]
     return v
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import threading
 from typing import Any
 
 import numpy as np
@@ -102,6 +103,8 @@ def compress_value(data: Buffer, ext: str, level: int | None) -> bytes:
 
 def decompress_value(data: Buffer, ext: str, *, path: str | None, offset: int | None) -> bytes:
     """Decompress one extension's worth; errors are CodecError naming ``path`` and ``offset``."""
+    if ext == "zst":
+        return _unzstd(data, path, offset)
     if not is_codec(ext):
         raise FormatError(f"unknown extension {ext!r}: not a serialization ({sorted(SERIALIZATIONS)}) "
                           "or a compression", path=path, offset=offset)
@@ -119,6 +122,30 @@ def decompress_value(data: Buffer, ext: str, *, path: str | None, offset: int | 
     except CodecError as e:
         raise CodecError(e.reason, path=path, offset=offset) from None
     return codec.decompress(data, path=path, offset=offset)
+
+
+_tls = threading.local()
+
+
+def _unzstd(data: Buffer, path: str | None, offset: int | None) -> bytes:
+    """zstd on the hot path: one decompressor per thread, streamed frames (no content size) welcome.
+
+    Concatenated frames and every error go through :mod:`torchforge.codecs`.
+    """
+    try:
+        dctx = _tls.zstd
+    except AttributeError:
+        import zstandard
+
+        dctx = _tls.zstd = zstandard.ZstdDecompressor()
+    try:
+        dobj = dctx.decompressobj()
+        out = dobj.decompress(data)
+        if dobj.eof and not dobj.unused_data:
+            return out
+    except Exception:  # zstandard.ZstdError: let the registry name it
+        pass
+    return get_codec("zst").decompress(data, path=path, offset=offset)
 
 
 # --- serializations --------------------------------------------------------------------------------------

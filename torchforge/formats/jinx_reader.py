@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from binascii import a2b_base64
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -21,6 +22,7 @@ import numpy as np
 import orjson
 
 from torchforge.errors import CodecError, CorruptShardError, FormatError, TorchforgeError
+from torchforge.codecs import is_codec
 from torchforge.formats.jinx_codec import (
     ENCODINGS,
     SCALAR_DTYPES,
@@ -68,6 +70,7 @@ class JinxShard:
         self.path = os.fspath(path)
         self.bin_path = sidecar_path(self.path)
         self.aliases: dict[str, tuple[str, ...]] = {}
+        self._plans: dict[str, tuple[Any, ...]] = {}
         try:
             self._mm, self._mv = _mmap_file(self.path)
         except OSError as e:
@@ -105,6 +108,7 @@ class JinxShard:
         self._footer_offset = foot
         self.ext_sep = footer.get("ext_sep", ".")
         self.encoding = footer.get("encoding", "a85")
+        self._b64 = self.encoding == "b64"
         n = footer.get("num_samples")
         if type(n) is not int or n < 0:
             raise self._fail(f"footer num_samples={n!r} is not a non-negative integer", foot)
@@ -137,7 +141,11 @@ class JinxShard:
 
     def _decode_index(self, key: str, value: Any, foot: int) -> np.ndarray:
         exts = key.split(self.ext_sep)[1:]
-        data, _ = self._payload(key, exts, value, foot)
+        if exts[-1] == "bin":
+            exts.pop()
+            data: Any = self.sidecar(value, foot)
+        else:
+            data = self._text_bytes(key, value, foot)
         if not exts or exts[0] != "npy":
             raise self._fail(f"index key {key!r} does not start with the npy serialization", foot)
         for ext in reversed(exts[1:]):
@@ -229,54 +237,74 @@ class JinxShard:
     # --- values ------------------------------------------------------------------------------------
     def decode(self, raw_key: str, value: Any, offset: int) -> Any:
         """Decode ``value`` stored under ``raw_key`` (extensions included) in the line at ``offset``."""
-        exts = raw_key.split(self.ext_sep)[1:]
-        if len(exts) == 1 and exts[0] in SCALAR_DTYPES:
-            return self._scalar(raw_key, exts[0], value, offset)
-        data, zero_copy = self._payload(raw_key, exts, value, offset)
-        for i in range(len(exts) - 1, -1, -1):
-            ext = exts[i]
-            if ext in SERIALIZATIONS:
-                if i:
-                    raise FormatError(f"key {raw_key!r}: serialization {ext!r} must be the innermost extension",
-                                      path=self.path, offset=offset)
-                return self._deserialize(raw_key, ext, data, zero_copy, offset)
+        plan = self._plans.get(raw_key)
+        if plan is None:
+            plan = self._plan(raw_key, offset)
+        scalar, from_bin, codecs, ser = plan
+        if scalar is not None:
+            return self._scalar(raw_key, scalar, value, offset)
+        data = self.sidecar(value, offset) if from_bin else self._text_bytes(raw_key, value, offset)
+        for ext in codecs:
             data = decompress_value(data, ext, path=self.path, offset=offset)
-            zero_copy = False
-        try:
-            return orjson.loads(data)
-        except _JSONDecodeError as e:
-            raise self._fail(f"value of {raw_key!r} is not valid JSON after decompression ({e})", offset) from None
+        if ser == "str":
+            try:
+                return str(data, "utf-8")
+            except UnicodeDecodeError as e:
+                raise self._fail(f"value of {raw_key!r} is not valid UTF-8 ({e})", offset) from None
+        if ser == "raw":
+            return data
+        if ser is None:
+            try:
+                return orjson.loads(data)
+            except _JSONDecodeError as e:
+                raise self._fail(f"value of {raw_key!r} is not valid JSON ({e})", offset) from None
+        return self._deserialize(raw_key, ser, data, from_bin and not codecs, offset)
 
-    def _payload(self, raw_key: str, exts: list[str], value: Any, offset: int) -> tuple[Any, bool]:
-        """The stored bytes of a value: from the sidecar (``bin``, popped from ``exts``; a zero-copy
-        view) or decoded from the shard's text encoding."""
-        if exts[-1] == "bin":
-            exts.pop()
-            return self.sidecar(value, offset), True
+    def _text_bytes(self, raw_key: str, value: Any, offset: int) -> bytes:
+        """The bytes an inline value encodes in the shard's text encoding."""
         if type(value) is not str:
             raise self._fail(f"value of {raw_key!r} is a JSON {type(value).__name__}, expected "
                              f"{self.encoding} text", offset)
         try:
-            return decode_text(value, self.encoding), False
+            return a2b_base64(value, strict_mode=True) if self._b64 else decode_text(value, self.encoding)
         except (ValueError, TypeError) as e:
             raise self._fail(f"value of {raw_key!r} is not valid {self.encoding} text ({e})", offset) from None
 
+    def _plan(self, raw_key: str, offset: int) -> tuple[str | None, bool, tuple[str, ...], str | None]:
+        """How to decode a key, cached: (numpy scalar dtype, from sidecar, codecs outermost first,
+        serialization or None for JSON)."""
+        exts = raw_key.split(self.ext_sep)[1:]
+        if len(exts) == 1 and exts[0] in SCALAR_DTYPES:
+            plan: tuple[Any, ...] = (exts[0], False, (), None)
+        else:
+            from_bin = exts[-1] == "bin"
+            if from_bin:
+                exts.pop()
+            ser = exts[0] if exts and exts[0] in SERIALIZATIONS else None
+            codecs = exts[1:] if ser is not None else exts
+            for ext in codecs:
+                if not is_codec(ext):
+                    what = "a serialization that must be innermost" if ext in SERIALIZATIONS else "unknown"
+                    raise FormatError(f"key {raw_key!r}: extension {ext!r} is {what} (serializations: "
+                                      f"{sorted(SERIALIZATIONS)}; or a compression)", path=self.path, offset=offset)
+            if ser in SCALAR_DTYPES:
+                raise FormatError(f"key {raw_key!r}: numpy scalar extension {ser!r} on binary data",
+                                  path=self.path, offset=offset)
+            plan = (None, from_bin, tuple(reversed(codecs)), ser)
+        if len(self._plans) < 4096:
+            self._plans[raw_key] = plan
+        return plan  # type: ignore[return-value]
+
     def _deserialize(self, raw_key: str, ext: str, data: Any, zero_copy: bool, offset: int) -> Any:
         try:
-            if ext == "raw":
-                return data
-            if ext == "str":
-                return str(data, "utf-8")
             if ext == "npy":
                 return load_npy(data, zero_copy=zero_copy)
-            if ext == "pt":
-                return load_pt(data)
+            return load_pt(data)
         except (CodecError, FormatError):
             raise
-        except Exception as e:  # UnicodeDecodeError, numpy's and torch's own errors
+        except Exception as e:  # numpy's and torch's own errors
             raise self._fail(f"value of {raw_key!r} is not valid {ext} data ({type(e).__name__}: {e})",
                              offset) from None
-        raise self._fail(f"key {raw_key!r}: numpy scalar extension {ext!r} on binary data", offset)
 
     def _scalar(self, raw_key: str, dtype: str, value: Any, offset: int) -> Any:
         t = type(value)
