@@ -84,8 +84,9 @@ class ShardDataset(torch.utils.data.Dataset):
         if cache_path and os.path.exists(cache_path):
             try:
                 arr = np.load(cache_path, allow_pickle=False)
-                if len(arr) == len(self):
+                if arr.ndim == 1 and len(arr) == len(self):
                     return arr
+                log.warning("ignoring key cache %s of shape %s for %d samples", cache_path, arr.shape, len(self))
             except (OSError, ValueError) as e:
                 log.warning("ignoring unreadable key cache %s: %s", cache_path, e)
         parts = field_or_fn.split(".")
