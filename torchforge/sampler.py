@@ -94,6 +94,7 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         self._yielded = 0  # indices yielded by the current pass, up to the live iterator's chunk
         self._live: tuple[int, int, Iterator[int]] | None = None  # (base, chunk length, chunk iterator)
         self._cached_order: tuple[int, EpochOrder] | None = None
+        self._cached_block: tuple[tuple[int, int, int], np.ndarray] | None = None
 
     # --- epochs and passes -------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -136,7 +137,14 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         follow Python slice rules against ``len(self)``. Pure: the sampler's state does not change.
         """
         lo, hi, st = slice(start, stop, step).indices(len(self))
-        return self._at(self._start, np.arange(lo, hi, st, dtype=np.int64))
+        if st != 1 or hi - lo > _CHUNK:
+            return self._at(self._start, np.arange(lo, hi, st, dtype=np.int64))
+        if hi <= lo:
+            return np.empty(0, dtype=np.int64)
+        # batch-sized requests are served from a cached, aligned block of positions
+        first, last = lo // _CHUNK, (hi - 1) // _CHUNK
+        parts = [self._block(b)[max(lo - b * _CHUNK, 0):hi - b * _CHUNK] for b in range(first, last + 1)]
+        return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
 
     def global_indices(self, start: int, stop: int) -> np.ndarray:
         """The epoch's global order at positions ``[start, stop)`` (clipped to ``[0, n)``), for all ranks."""
@@ -219,6 +227,14 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
             block = self._at(start, np.arange(lo, hi, dtype=np.int64))
             self._yielded = hi
             yield block
+
+    def _block(self, b: int) -> np.ndarray:
+        key = (self.epoch, self._start, b)
+        if self._cached_block is None or self._cached_block[0] != key:
+            lo = b * _CHUNK
+            local = np.arange(lo, min(lo + _CHUNK, len(self)), dtype=np.int64)
+            self._cached_block = (key, self._at(self._start, local))
+        return self._cached_block[1]
 
     def _at(self, start: int, local: np.ndarray) -> np.ndarray:
         """Dataset indices at local positions of a pass starting at global position ``start``."""
