@@ -1,0 +1,321 @@
+"""JINX bad input: truncated, bit-flipped and lying files give a TorchforgeError naming file and offset."""
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import random
+import shutil
+import sys
+
+import numpy as np
+import orjson
+import pytest
+import zstandard
+
+from torchforge.datasets.jinx import JinxDataset
+from torchforge.errors import CodecError, CorruptShardError, FormatError, TorchforgeError
+from torchforge.formats.jinx import JinxWriter
+from torchforge.lazy import materialize
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "fixtures", "interop"))
+from expected import rich, same  # noqa: E402
+
+
+def craft(path, lines, *, index=None, **footer):
+    """Write a JINX shard by hand: raw JSON lines, a b64 inline index, the footer, its offset."""
+    body = b"".join(orjson.dumps(x) + b"\n" for x in lines)
+    if index is None:
+        index, pos = [0], 0
+        for x in lines:
+            pos += len(orjson.dumps(x)) + 1
+            index.append(pos)
+    head = {"index.npy": base64.b64encode(np.asarray(index, "<u8").tobytes()).decode(), "num_samples": len(lines),
+            "shard_id": 0, "version": "1.0", "encoding": "b64", "binary_threshold": None, "compression": None,
+            "index_compression": None, "compress_threshold": 128, "compress_ratio": 0.67, "ext_sep": "."}
+    head.update(footer)
+    with open(path, "wb") as f:
+        f.write(body + orjson.dumps(head) + f"\n{len(body)}\n".encode())
+    return path
+
+
+def read_all(path, **kw):
+    """Open and decode everything (lazy values included)."""
+    ds = JinxDataset(path, **kw)
+    return [materialize(s) for s in ds]
+
+
+def assert_named(err, path):
+    assert isinstance(err, TorchforgeError)
+    assert err.path is not None and os.path.basename(err.path).startswith(os.path.basename(path)[:5])
+    assert err.offset is not None and err.offset >= 0
+    assert err.path in str(err) and f"byte {err.offset}" in str(err)
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    """A small single-shard dataset with a sidecar; returns (folder, samples)."""
+    folder = tmp_path_factory.mktemp("good") / "ds"
+    samples = list(rich(12, 3))
+    with JinxWriter(folder, encoding="b64", binary_threshold=300) as w:
+        for s in samples:
+            w.write(s)
+    return folder, samples
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst / "shard-00000.jinx"
+
+
+# --- truncation and bit flips ------------------------------------------------------------------------------
+def test_every_truncation_is_refused_at_open(shard, tmp_path):
+    folder, _ = shard
+    data = open(folder / "shard-00000.jinx", "rb").read()
+    target = tmp_path / "shard-00000.jinx"
+    cuts = sorted(set(range(0, len(data), max(1, len(data) // 150))) | set(range(len(data) - 40, len(data))))
+    for cut in cuts:
+        target.write_bytes(data[:cut])
+        with pytest.raises(TorchforgeError) as e:
+            JinxDataset(target)
+        assert_named(e.value, target)
+
+
+def test_flips_in_footer_and_offset_line_are_detected(shard, tmp_path):
+    folder, _ = shard
+    data = open(folder / "shard-00000.jinx", "rb").read()
+    foot = int(data.rstrip(b"\n").rsplit(b"\n", 1)[1])
+    target = tmp_path / "shard-00000.jinx"
+    shutil.copy(folder / "shard-00000.binx", tmp_path / "shard-00000.binx")
+    for pos in range(foot, len(data)):
+        bad = bytearray(data)
+        bad[pos] ^= 0x80  # never valid UTF-8 in the JSON, never a digit in the offset line
+        target.write_bytes(bytes(bad))
+        with pytest.raises(TorchforgeError) as e:
+            read_all(target)
+        assert_named(e.value, target)
+
+
+def test_flips_in_the_body_are_detected_on_read(shard, tmp_path):
+    folder, _ = shard
+    data = open(folder / "shard-00000.jinx", "rb").read()
+    foot = int(data.rstrip(b"\n").rsplit(b"\n", 1)[1])
+    target = tmp_path / "shard-00000.jinx"
+    shutil.copy(folder / "shard-00000.binx", tmp_path / "shard-00000.binx")
+    for pos in random.Random(0).sample(range(foot), 60):
+        bad = bytearray(data)
+        bad[pos] ^= 0x80
+        target.write_bytes(bytes(bad))
+        ds = JinxDataset(target)  # the footer is intact
+        with pytest.raises(CorruptShardError) as e:
+            [materialize(s) for s in ds]
+        assert_named(e.value, target)
+        assert e.value.offset <= pos
+
+
+@pytest.mark.parametrize("name", ["shard-00000.jinx", "shard-00000.binx"])
+def test_random_flips_anywhere_raise_typed_errors_or_read(shard, tmp_path, name):
+    """Any byte, any flip: a TorchforgeError naming file and offset, or a clean read; nothing else."""
+    folder, samples = shard
+    rng = random.Random(hash(name) & 0xFFFF)
+    work = tmp_path / "ds"
+    shutil.copytree(folder, work)
+    data = open(folder / name, "rb").read()
+    outcomes = set()
+    for _ in range(120):
+        pos = rng.randrange(len(data))
+        bad = bytearray(data)
+        bad[pos] ^= rng.randrange(1, 256)
+        (work / name).write_bytes(bytes(bad))
+        try:
+            got = read_all(work)
+        except TorchforgeError as e:
+            assert_named(e, work / name)
+            outcomes.add("error")
+        else:
+            assert len(got) == len(samples)
+            outcomes.add("read")
+    assert "error" in outcomes or name.endswith(".binx")
+
+
+def test_index_in_sidecar_checked(tmp_path):
+    """binary_threshold small enough puts the index itself in the sidecar; lying offsets there too."""
+    folder = tmp_path / "ds"
+    with JinxWriter(folder, encoding="b64", binary_threshold=16) as w:
+        for s in rich(6, 1):
+            w.write(s)
+    jinx = folder / "shard-00000.jinx"
+    data = jinx.read_bytes()
+    foot = int(data.rstrip(b"\n").rsplit(b"\n", 1)[1])
+    head = orjson.loads(data[foot:].split(b"\n", 1)[0])
+    loc = head["index.npy.bin"]
+    binx = folder / "shard-00000.binx"
+    side = bytearray(binx.read_bytes())
+    idx = np.frombuffer(bytes(side[loc["offset"]:loc["offset"] + loc["length"]]), "<u8").copy()
+    idx[2], idx[3] = idx[3], idx[2]
+    side[loc["offset"]:loc["offset"] + loc["length"]] = idx.tobytes()
+    binx.write_bytes(bytes(side))
+    with pytest.raises(CorruptShardError, match="out of order") as e:
+        JinxDataset(folder)
+    assert_named(e.value, jinx)
+    binx.write_bytes(bytes(side[:loc["offset"] + 8]))  # short sidecar: the index is cut
+    with pytest.raises(CorruptShardError, match="past its end") as e:
+        JinxDataset(folder)
+    assert e.value.path.endswith(".binx")
+
+
+# --- lying footers and indexes -----------------------------------------------------------------------------
+LINES = [{"id": i, "t": "x" * i} for i in range(5)]
+
+
+def test_handcrafted_shard_reads(tmp_path):
+    assert read_all(craft(tmp_path / "a.jinx", LINES)) == LINES
+
+
+@pytest.mark.parametrize("how, match", [
+    ({"num_samples": 7}, "num_samples=7"),
+    ({"num_samples": -1}, "num_samples"),
+    ({"num_samples": "5"}, "num_samples"),
+    ({"encoding": "b32"}, "encoding"),
+    ({"ext_sep": ""}, "ext_sep"),
+    ({"index": [0, 20, 10, 30, 40, 50]}, "out of order"),
+    ({"index": [0, 13, 27, 42, 58, 10**9]}, "index ends at"),
+    ({"index": [5, 13, 27, 42, 58, 75]}, "starts at 5"),
+    ({"index": [0, 13]}, "offsets"),
+    ({"index.npy": "not base64!"}, "b64"),
+    ({"index.npy": "QUJD"}, "whole number"),
+    ({"index.npy.zst": base64.b64encode(b"\x28\xb5\x2f\xfd garbage").decode()}, "index entries"),
+])
+def test_lying_footer(tmp_path, how, match):
+    how = dict(how)
+    index = how.pop("index", None)
+    path = craft(tmp_path / "a.jinx", LINES, index=index, **how)
+    with pytest.raises(TorchforgeError, match=match) as e:
+        JinxDataset(path)
+    assert_named(e.value, path)
+
+
+def test_corrupt_zstd_index(tmp_path):
+    path = tmp_path / "a.jinx"
+    craft(path, LINES)
+    data = path.read_bytes()
+    foot = int(data.rstrip(b"\n").rsplit(b"\n", 1)[1])
+    head = orjson.loads(data[foot:].split(b"\n", 1)[0])
+    raw = base64.b64decode(head.pop("index.npy"))
+    head["index.npy.zst"] = base64.b64encode(zstandard.compress(raw)[:-4]).decode()
+    path.write_bytes(data[:foot] + orjson.dumps(head) + f"\n{foot}\n".encode())
+    with pytest.raises(CodecError) as e:
+        JinxDataset(path)
+    assert_named(e.value, path)
+
+
+@pytest.mark.parametrize("tail", [b"\n99999999\n", b"\n-3\n", b"\nabc\n", b"\n12", b"", b"\n0\n"])
+def test_footer_offset_line(tmp_path, tail):
+    path = craft(tmp_path / "a.jinx", LINES)
+    data = path.read_bytes()
+    path.write_bytes(data.rstrip(b"\n").rsplit(b"\n", 1)[0] + tail)
+    with pytest.raises(CorruptShardError) as e:
+        JinxDataset(path)
+    assert_named(e.value, path)
+
+
+def test_empty_and_foreign_files(tmp_path):
+    for name, content in (("e.jinx", b""), ("r.jinx", os.urandom(3000)), ("n.jinx", b"\n"), ("j.jinx", b"{}\n0\n")):
+        p = tmp_path / name
+        p.write_bytes(content)
+        with pytest.raises(TorchforgeError) as e:
+            JinxDataset(p)
+        assert_named(e.value, p)
+
+
+# --- bad values ---------------------------------------------------------------------------------------------
+ZSTD_GARBAGE = base64.b64encode(b"\x28\xb5\x2f\xfd" + bytes(range(40))).decode()
+
+
+@pytest.mark.parametrize("key, value, error", [
+    ("x.foo", "QUJD", FormatError),  # unknown extension
+    ("x.raw.foo", "QUJD", FormatError),
+    ("x.zst.raw", "QUJD", FormatError),  # serialization not innermost
+    ("x.raw", "!!not base64!!", CorruptShardError),
+    ("x.raw", "QUJ", CorruptShardError),  # bad padding
+    ("x.raw", 12, CorruptShardError),
+    ("x.raw.zst", ZSTD_GARBAGE, CodecError),
+    ("x.raw.zst", base64.b64encode(zstandard.compress(b"abc" * 50)[:-5]).decode(), CodecError),
+    ("x.raw.gz", "QUJD", CodecError),
+    ("x.npy", "QUJD", CorruptShardError),
+    ("x.npy", base64.b64encode(b"\x93NUMPY\x01\x00v\x00{'descr': '|O', 'fortran_order': False, "
+                               b"'shape': (1,), }" + b" " * 60 + b"\n" + b"\0" * 8).decode(), CorruptShardError),
+    ("x.pt", "QUJD", CorruptShardError),
+    ("x.str", base64.b64encode(b"\xff\xfe").decode(), CorruptShardError),
+    ("x.zst", base64.b64encode(zstandard.compress(b"{not json")).decode(), CorruptShardError),
+    ("x.int8", 300, CorruptShardError),
+    ("x.float32", "1.5", CorruptShardError),
+    ("x.uint8", -1, CorruptShardError),
+    ("x.raw.bin", {"offset": -1, "length": 3}, CorruptShardError),
+    ("x.raw.bin", {"offset": "0", "length": 3}, CorruptShardError),
+    ("x.raw.bin", [0, 3], CorruptShardError),
+    ("x.raw.bin", {"offset": 0, "length": 3}, CorruptShardError),  # no sidecar
+])
+def test_bad_value_raises_on_access(tmp_path, key, value, error):
+    path = craft(tmp_path / "a.jinx", [{"id": 0}, {"id": 1, "y": {"z": [{key: value}]}}])
+    ds = JinxDataset(path)
+    assert ds[0]["id"] == 0 and ds[1]["id"] == 1  # other values still read
+    with pytest.raises(error) as e:
+        ds[1]["y"]["z"][0]["x"]
+    assert_named(e.value, path)
+    assert e.value.offset == len(orjson.dumps({"id": 0})) + 1  # the line of the bad value
+    with pytest.raises(error):
+        JinxDataset(path, lazy=False)[1]
+
+
+def test_short_and_missing_sidecar(shard, tmp_path):
+    folder, samples = shard
+    jinx = _copy(folder, tmp_path / "ds")
+    binx = jinx.with_suffix(".binx")
+    size = binx.stat().st_size
+    binx.write_bytes(binx.read_bytes()[: size // 2])
+    with pytest.raises(CorruptShardError, match="past its end") as e:
+        read_all(jinx)
+    assert e.value.path == str(binx) and e.value.offset < size
+    binx.unlink()
+    with pytest.raises(CorruptShardError, match="missing") as e:
+        read_all(jinx)
+    assert_named(e.value, jinx)
+
+
+def test_duplicate_logical_key_in_eager_mode(tmp_path):
+    path = craft(tmp_path / "a.jinx", [{"x": "plain", "x.raw": "QUJD"}])
+    with pytest.raises(CorruptShardError, match="twice"):
+        JinxDataset(path, lazy=False)[0]
+
+
+# --- on_error="skip" --------------------------------------------------------------------------------------
+def test_skip_mode_skips_counts_and_logs(shard, tmp_path, caplog):
+    folder, samples = shard
+    jinx = _copy(folder, tmp_path / "ds")
+    data = bytearray(jinx.read_bytes())
+    ds = JinxDataset(jinx)
+    bad_lines = [2, 7]
+    for j in bad_lines:
+        data[ds.shards[0].offsets[j] + 1] ^= 0x80  # break line j's JSON
+    jinx.write_bytes(bytes(data))
+    with pytest.raises(CorruptShardError):
+        list(JinxDataset(jinx))
+    for lazy in (True, False):
+        ds = JinxDataset(jinx, on_error="skip", lazy=lazy)
+        with caplog.at_level(logging.WARNING, logger="torchforge.datasets.jinx"):
+            got = list(ds)
+        assert ds.skipped == 2 and len(got) == len(samples) - 2
+        want = [s for i, s in enumerate(samples) if i not in bad_lines]
+        assert all(same(a, b) == "" for a, b in zip(want, got))
+        assert sum("skipping malformed" in r.message for r in caplog.records) >= 2
+        caplog.clear()
+        with pytest.raises(CorruptShardError):
+            ds[2]  # random access still raises
+
+
+def test_skip_mode_eager_skips_bad_values(tmp_path):
+    path = craft(tmp_path / "a.jinx", [{"id": 0}, {"id": 1, "x.raw": "!!"}, {"id": 2}])
+    ds = JinxDataset(path, lazy=False, on_error="skip")
+    assert [s["id"] for s in ds] == [0, 2] and ds.skipped == 1
