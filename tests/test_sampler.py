@@ -1,12 +1,14 @@
 """GlobalSampler and IterableShards in one process: exact coverage, padding, sorting, buckets, resume."""
 import itertools
 import json
+import pickle
 from collections import Counter
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from torchforge._permute import EpochOrder, Permutation, mix64
 from torchforge.errors import TorchforgeError
@@ -333,6 +335,17 @@ def test_batch_sized_indices_are_exact_across_blocks_epochs_and_resumes():
     assert s.indices(0, 10).tolist() == list(s)[:10] != whole[:10]
     s.load_state_dict(s.state_at(100))
     assert s.indices(0, 10).tolist() == list(s)[:10]
+
+
+def test_sampler_pickles_for_loader_workers():
+    s = GlobalSampler(100_000, seed=3, rank=1, world_size=2, bucket_size=10, sort_key=np.arange(100_000) % 17)
+    s.set_epoch(2)
+    it = iter(s)
+    head = list(itertools.islice(it, 1234))
+    clone = pickle.loads(pickle.dumps(s))
+    assert clone.state_dict() == s.state_dict()
+    assert clone.indices(0, 2000).tolist() == s.indices(0, 2000).tolist()
+    assert head + list(it) == clone.indices(0, len(clone)).tolist()
 
 
 def test_epoch_order_pieces_agree():

@@ -21,7 +21,6 @@ produced in chunks in constant memory. Sorted orders keep one int64 array of ``n
 from __future__ import annotations
 
 import hashlib
-import math
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -195,6 +194,12 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         if epoch < 0 or not 0 <= position <= n:
             raise SamplerError(f"state has {epoch=} and {position=}, expected epoch >= 0 and 0 <= position <= {n}")
         self.epoch, self._start, self._yielded, self._live = epoch, position, 0, None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # for DataLoader workers: the live iterator is folded into the count; caches are rebuilt
+        state = self.__dict__.copy()
+        state.update(_yielded=self._current_yielded(), _live=None, _cached_order=None, _cached_block=None)
+        return state
 
     # --- internals -----------------------------------------------------------------------------------
     def _count(self, start: int) -> int:
