@@ -82,31 +82,30 @@ def test_every_truncation_is_refused_at_open(shard, tmp_path):
         assert_named(e.value, target)
 
 
-def test_flips_in_footer_and_offset_line_are_detected(shard, tmp_path):
+def _flipped(shard, tmp_path, positions):
+    """Yield (position, path) with the shard copied to tmp_path and byte ``position`` XOR 0x80, which is
+    never valid UTF-8 inside JSON and never a digit in the offset line."""
     folder, _ = shard
     data = open(folder / "shard-00000.jinx", "rb").read()
     foot = int(data.rstrip(b"\n").rsplit(b"\n", 1)[1])
     target = tmp_path / "shard-00000.jinx"
     shutil.copy(folder / "shard-00000.binx", tmp_path / "shard-00000.binx")
-    for pos in range(foot, len(data)):
+    for pos in positions(foot, len(data)):
         bad = bytearray(data)
-        bad[pos] ^= 0x80  # never valid UTF-8 in the JSON, never a digit in the offset line
+        bad[pos] ^= 0x80
         target.write_bytes(bytes(bad))
+        yield pos, target
+
+
+def test_flips_in_footer_and_offset_line_are_detected(shard, tmp_path):
+    for _, target in _flipped(shard, tmp_path, lambda foot, size: range(foot, size)):
         with pytest.raises(TorchforgeError) as e:
             read_all(target)
         assert_named(e.value, target)
 
 
 def test_flips_in_the_body_are_detected_on_read(shard, tmp_path):
-    folder, _ = shard
-    data = open(folder / "shard-00000.jinx", "rb").read()
-    foot = int(data.rstrip(b"\n").rsplit(b"\n", 1)[1])
-    target = tmp_path / "shard-00000.jinx"
-    shutil.copy(folder / "shard-00000.binx", tmp_path / "shard-00000.binx")
-    for pos in random.Random(0).sample(range(foot), 60):
-        bad = bytearray(data)
-        bad[pos] ^= 0x80
-        target.write_bytes(bytes(bad))
+    for pos, target in _flipped(shard, tmp_path, lambda foot, size: random.Random(0).sample(range(foot), 60)):
         ds = JinxDataset(target)  # the footer is intact
         with pytest.raises(CorruptShardError) as e:
             [materialize(s) for s in ds]
