@@ -149,6 +149,7 @@ def test_keep_last_prunes_after_commit_and_resave_replaces(tmp_path):
     assert ck.steps() == [3, 4] and ck.latest() == 4
     ck.save(4, model=m, extra={"s": "again"})
     assert ck.steps() == [3, 4] and ck.restore(4) == {"s": "again"}
+    ck.close()  # old steps are deleted in the background
     assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000004"]
     assert Checkpointer(tmp_path, keep_last=None).steps() == [3, 4]
 

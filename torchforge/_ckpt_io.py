@@ -7,9 +7,9 @@ detects accidental damage (bit flips, torn or truncated writes), not tampering.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
-import re
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,29 +19,25 @@ from typing import Any
 import torch
 
 from torchforge.errors import CheckpointError
-from torchforge.formats.safetensors import as_bytes, checksum, plan, write_all
+from torchforge.formats.safetensors import as_bytes, checksum, parse_size, plan, write_all
 
 __all__ = ["BLOCK", "FilePlan", "Arena", "parse_size", "plan_group", "write_files", "verify_files"]
 
 BLOCK = 64 << 20
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SYNC_FILE_RANGE_WRITE = 2
 
 
-def parse_size(size: int | str) -> int:
-    """Bytes in ``"2GB"`` (10**9), ``"512MiB"`` (2**20) or an int, as Hugging Face's max_shard_size."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        n = size
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size), re.IGNORECASE)
-        if not m:
-            raise ValueError(f"max_shard_size={size!r} is not a size such as 2GB, 500MB, 1GiB or an int")
-        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
-    if n <= 0:
-        raise ValueError(f"max_shard_size={size!r} must be positive")
-    return n
+def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
 
 
+_sync_file_range = _libc_sync_file_range()
 @dataclass
 class FilePlan:
     """One file of a checkpoint: its name, header bytes and (file offset, tensor) parts, in order."""
@@ -161,6 +157,8 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
 def _write_block(fd: int, offset: int, views: list[memoryview]) -> int:
     crc = checksum(views)
     write_all(fd, views, offset)
+    if _sync_file_range is not None:  # start writing this block to disk now, so the final fsync is short
+        _sync_file_range(fd, offset, sum(len(v) for v in views), _SYNC_FILE_RANGE_WRITE)
     return crc
 
 

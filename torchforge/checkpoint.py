@@ -67,6 +67,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self._deletes: list[Any] = []
         self._clean_leftovers()
 
     # --- listing -------------------------------------------------------------------------------------
@@ -193,10 +194,12 @@ class Checkpointer:
             self._discard(self.path(s))
 
     def _discard(self, folder: str) -> None:
+        """Make a step invisible at once (rename), delete its files in the background."""
         trash = os.path.join(self.root, f".trash-{os.path.basename(folder)}-{uuid.uuid4().hex[:8]}")
         os.rename(folder, trash)
         fsync_dir(self.root)
-        shutil.rmtree(trash, ignore_errors=True)
+        self._deletes = [f for f in self._deletes if not f.done()]
+        self._deletes.append(self._pool.submit(shutil.rmtree, trash, ignore_errors=True))
 
     def _clean_leftovers(self) -> None:
         for name in os.listdir(self.root):
@@ -308,9 +311,12 @@ class Checkpointer:
         return list(wmap), get
 
     def close(self) -> None:
-        """Wait for a background save, free the staging memory and stop the writer threads."""
+        """Wait for a background save and deletions, free the staging memory and stop the threads."""
         try:
             self.wait()
+            for f in self._deletes:
+                f.result()
+            self._deletes = []
         finally:
             self._arena = Arena()
             self._pool.shutdown(wait=True)

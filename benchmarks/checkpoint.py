@@ -1,0 +1,156 @@
+"""Checkpoint save / restore speed: torchforge.Checkpointer vs torch.save/torch.load and safetensors.
+
+A model plus AdamW state of about 1 GiB (float32) is saved and restored into the existing model and
+optimizer, in the same run, alternating the contenders over several rounds; the best round of each is
+reported. torchforge always fsyncs its files and folders (a checkpoint that is not on disk is not
+committed); the competitors are timed both as they ship (no fsync) and with an fsync of their files and
+folder added ("+fsync"), which is the like-for-like comparison. Restores read files that are in the page
+cache (all contenders alike) and copy every tensor into the existing parameters and optimizer state.
+
+    .venv/bin/python benchmarks/checkpoint.py [--gib 1.0] [--rounds 3] [--dir /tmp/tf-ckpt-bench]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import time
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from torchforge.checkpoint import Checkpointer
+from torchforge.formats.safetensors import fsync_dir
+
+
+def build(gib: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    dim = 2048
+    layers = max(1, round(gib * 2**30 / 3 / (4 * (dim * dim + dim))))  # params + 2 AdamW moments
+    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()  # creates exp_avg / exp_avg_sq / step
+    for p in model.parameters():
+        p.grad = None
+    return model, opt
+
+
+def tensors_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Flat name -> tensor maps of the model and the optimizer state (the destinations of a restore)."""
+    m = dict(model.state_dict())
+    o = {f"state.{i}.{k}": v for i, s in opt.state_dict()["state"].items() for k, v in s.items()}
+    return m, o
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/tf-ckpt-bench")
+    args = ap.parse_args()
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    torch.manual_seed(0)
+    model, opt = build(args.gib)
+    mt, ot = tensors_of(model, opt)
+    total = sum(t.numel() * t.element_size() for t in (*mt.values(), *ot.values()))
+    print(f"model + AdamW state: {total / 2**30:.3f} GiB in {len(mt) + len(ot)} tensors, "
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}")
+
+    tpath, sm, so = (os.path.join(args.dir, n) for n in ("torch.pt", "model.safetensors", "opt.safetensors"))
+    ck = Checkpointer(os.path.join(args.dir, "tf"), keep_last=1)
+
+    def torch_save(sync: bool) -> None:
+        torch.save({"model": mt, "optimizer": ot}, tpath)
+        if sync:
+            fsync_file(tpath)
+            fsync_dir(args.dir)
+
+    def st_save(sync: bool) -> None:
+        save_file(mt, sm)
+        save_file(ot, so)
+        if sync:
+            fsync_file(sm)
+            fsync_file(so)
+            fsync_dir(args.dir)
+
+    step = iter(range(10**6))
+    saves = {
+        "torch.save": lambda: torch_save(False),
+        "torch.save+fsync": lambda: torch_save(True),
+        "safetensors save_file": lambda: st_save(False),
+        "safetensors save_file+fsync": lambda: st_save(True),
+        "torchforge save (fsync)": lambda: ck.save(next(step), model=model, optimizer=opt),
+    }
+
+    @torch.no_grad()
+    def copy_into(src: dict, dst: dict) -> None:
+        for k, v in dst.items():
+            v.copy_(src[k])
+
+    def torch_restore() -> None:
+        sd = torch.load(tpath, weights_only=True)
+        copy_into(sd["model"], mt)
+        copy_into(sd["optimizer"], ot)
+
+    def st_restore() -> None:
+        copy_into(load_file(sm), mt)
+        copy_into(load_file(so), ot)
+
+    restores = {
+        "torch.load + copy_": torch_restore,
+        "safetensors load_file + copy_": st_restore,
+        "torchforge restore": lambda: ck.restore(model=model, optimizer=opt),
+    }
+    res: dict[str, list[float]] = {k: [] for k in (*saves, *restores, "torchforge save(blocking=False) returns",
+                                                   "torchforge background write")}
+    for r in range(args.rounds):
+        for name, fn in saves.items():
+            res[name].append(timed(fn))
+        ck.save(next(step), model=model, optimizer=opt, blocking=False)  # warms the staging arena
+        ck.wait()
+        res["torchforge save(blocking=False) returns"].append(timed(
+            lambda: ck.save(next(step), model=model, optimizer=opt, blocking=False)))
+        res["torchforge background write"].append(timed(ck.wait))
+        for name, fn in restores.items():
+            res[name].append(timed(fn))
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+
+    gib = total / 2**30
+    print(f"\n{'contender':42s} {'best s':>8s} {'median s':>9s} {'GiB/s':>7s}")
+    for name, ts in res.items():
+        print(f"{name:42s} {min(ts):8.3f} {statistics.median(ts):9.3f} {gib / min(ts):7.2f}")
+    b = {k: min(v) for k, v in res.items()}
+    ours = b["torchforge save (fsync)"]
+    print("\nratios (best of rounds; > 1 means torchforge is faster)")
+    print(f"save vs safetensors save_file+fsync:        {b['safetensors save_file+fsync'] / ours:5.2f}x  (target >= 1.5)")
+    print(f"save vs safetensors save_file (no fsync):   {b['safetensors save_file'] / ours:5.2f}x")
+    print(f"save vs torch.save+fsync:                   {b['torch.save+fsync'] / ours:5.2f}x")
+    print(f"save vs torch.save (no fsync):              {b['torch.save'] / ours:5.2f}x")
+    r = b["torchforge restore"]
+    print(f"restore time / (load_file + copy_) time:    {r / b['safetensors load_file + copy_']:5.2f}   (target <= 1.2)")
+    print(f"restore vs torch.load + copy_:              {b['torch.load + copy_'] / r:5.2f}x  (target >= 10)")
+    print(f"non-blocking save blocks the caller for:    {b['torchforge save(blocking=False) returns'] / ours:6.1%} "
+          "of a blocking save (target <= 10%)")
+    ck.close()
+    shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""SafetensorsDataset / SafetensorsShardWriter: round trips (fixed and ragged), detection, bad shards."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import safetensors.torch as st
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from torchforge.datasets.base import open_dataset
+from torchforge.datasets.safetensors import SafetensorsDataset, SafetensorsShardWriter, detect
+from torchforge.errors import CorruptShardError, FormatError, TorchforgeError
+from torchforge.formats.safetensors import save_safetensors
+
+
+def _samples(n: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        k = int(torch.randint(0, 6, (1,), generator=g))
+        out.append({"ids": torch.randint(0, 1000, (k,), generator=g),          # ragged 1-D
+                    "emb": torch.randn(k, 3, generator=g).to(torch.bfloat16),  # ragged 2-D
+                    "img": torch.randint(0, 255, (2, 2), generator=g, dtype=torch.uint8),  # fixed
+                    "label": i % 5,                                              # python int -> 0-dim
+                    "w": np.float32(i) / 2})                                     # numpy scalar
+    return out
+
+
+def _check(ds, samples):
+    assert len(ds) == len(samples)
+    for i, s in enumerate(samples):
+        got = ds[i]
+        assert set(got) == set(s)
+        for k, v in s.items():
+            v = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), (i, k)
+
+
+def test_round_trip_fixed_and_ragged_across_shards(tmp_path):
+    samples = _samples(53)
+    with SafetensorsShardWriter(tmp_path / "d", samples_per_shard=10) as w:
+        for s in samples:
+            w.write(s)
+    assert len(w.files) == 6 and w.samples == 53
+    ds = SafetensorsDataset(tmp_path / "d")
+    _check(ds, samples)
+    assert ds[-1]["label"].item() == 52 % 5 and ds.columns == ["emb", "ids", "img", "label", "w"]
+    with pytest.raises(IndexError):
+        ds[53]
+    # the shards are plain safetensors files: ragged columns as flat + offsets
+    first = st.load_file(w.files[0])
+    assert first["ids.offsets"].tolist()[0] == 0 and first["ids.offsets"].shape == (11,)
+    assert first["img"].shape == (10, 2, 2) and "img.offsets" not in first
+    assert np.array_equal(ds.keys("label"), np.array([i % 5 for i in range(53)]))
+
+
+def test_views_are_zero_copy(tmp_path):
+    with SafetensorsShardWriter(tmp_path, samples_per_shard=100) as w:
+        for s in _samples(20):
+            w.write(s)
+    ds = SafetensorsDataset(tmp_path)
+    a, b = ds[3], ds[4]
+    assert a["img"].untyped_storage().data_ptr() == b["img"].untyped_storage().data_ptr()
+    assert b["img"].data_ptr() - a["img"].data_ptr() == 4
+    assert a["ids"].untyped_storage().data_ptr() == b["ids"].untyped_storage().data_ptr()
+
+
+def test_open_dataset_detects_folder_and_file(tmp_path):
+    with SafetensorsShardWriter(tmp_path / "d", max_shard_size=200) as w:
+        for s in _samples(12, 3):
+            w.write(s)
+    assert len(w.files) > 1 and detect(str(tmp_path / "d")) and detect(w.files[0])
+    ds = open_dataset(tmp_path / "d")
+    assert isinstance(ds, SafetensorsDataset)
+    _check(ds, _samples(12, 3))
+    assert isinstance(open_dataset(w.files[0]), SafetensorsDataset)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "model.safetensors.index.json").write_text("{}")
+    (tmp_path / "ck" / "model-00001-of-00001.safetensors").write_bytes(b"")
+    assert not detect(str(tmp_path / "ck")) and not detect(str(tmp_path / "nothing"))
+
+
+def test_reads_files_written_by_the_official_library(tmp_path):
+    st.save_file({"x": torch.arange(12.0).reshape(6, 2), "t": torch.arange(9), "t.offsets": torch.tensor(
+        [0, 2, 2, 5, 6, 8, 9])}, tmp_path / "a.safetensors")
+    ds = SafetensorsDataset(tmp_path)
+    assert len(ds) == 6 and ds[2]["t"].tolist() == [2, 3, 4] and ds[1]["t"].numel() == 0
+    assert ds[5]["x"].tolist() == [10.0, 11.0]
+    assert list(SafetensorsDataset(tmp_path, columns=["x"])[0]) == ["x"]
+
+
+@pytest.mark.parametrize("tensors,match", [
+    ({"a": torch.zeros(3, 2), "b": torch.zeros(4)}, "samples"),
+    ({"a": torch.zeros(())}, "0-dim"),
+    ({"a": torch.zeros(5), "a.offsets": torch.tensor([0, 2, 5], dtype=torch.int32)}, "int64"),
+])
+def test_inconsistent_headers_refused(tmp_path, tensors, match):
+    save_safetensors(tensors, tmp_path / "x.safetensors")
+    with pytest.raises(CorruptShardError, match=match) as ei:
+        SafetensorsDataset(tmp_path)
+    assert ei.value.path == str(tmp_path / "x.safetensors")
+
+
+@pytest.mark.parametrize("offsets", [[0, 3, 2, 5], [1, 2, 3, 5], [0, 2, 3, 4], [0, 2, 3, 9]])
+def test_lying_offsets_refused_with_byte_offset(tmp_path, offsets):
+    save_safetensors({"a": torch.arange(5), "a.offsets": torch.tensor(offsets)}, tmp_path / "x.safetensors")
+    ds = SafetensorsDataset(tmp_path)
+    with pytest.raises(CorruptShardError, match="offsets") as ei:
+        ds[0]
+    assert ei.value.offset is not None and isinstance(ei.value, TorchforgeError)
+
+
+def test_damaged_shard_file_is_a_typed_error(tmp_path):
+    with SafetensorsShardWriter(tmp_path, samples_per_shard=5) as w:
+        for s in _samples(5):
+            w.write(s)
+    raw = open(w.files[0], "rb").read()
+    open(w.files[0], "wb").write(raw[:-2])
+    with pytest.raises(TorchforgeError):
+        SafetensorsDataset(tmp_path)
+
+
+def test_writer_refuses_bad_input(tmp_path):
+    w = SafetensorsShardWriter(tmp_path / "w")
+    w.write({"a": torch.zeros(2)})
+    with pytest.raises(FormatError):
+        w.write({"a": torch.zeros(2, dtype=torch.int64)})
+    with pytest.raises(FormatError):
+        w.write({"a.offsets": torch.zeros(2)})
+    w2 = SafetensorsShardWriter(tmp_path / "w2")
+    w2.write({"a": torch.zeros(())})
+    w2.write({"a": torch.zeros(2)})
+    with pytest.raises(FormatError, match="ragged"):
+        w2.close()
+    w.close()
+    with pytest.raises(FormatError, match="already"):
+        SafetensorsShardWriter(tmp_path / "w")
+
+
+@settings(max_examples=25, deadline=None)
+@given(hs.lists(hs.lists(hs.integers(-2**31, 2**31 - 1), max_size=6), min_size=1, max_size=30), hs.integers(1, 7))
+def test_ragged_round_trip_property(tmp_path_factory, rows, per_shard):
+    out = tmp_path_factory.mktemp("p")
+    with SafetensorsShardWriter(out, samples_per_shard=per_shard, ragged=["v"]) as w:
+        for r in rows:
+            w.write({"v": torch.tensor(r, dtype=torch.int32)})
+    ds = SafetensorsDataset(out)
+    assert [ds[i]["v"].tolist() for i in range(len(ds))] == rows

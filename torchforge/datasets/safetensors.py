@@ -1,0 +1,253 @@
+"""A dataset of column tensors in safetensors shards, with zero-copy per-sample views, and its writer.
+
+A shard (``shard-00000.safetensors``, …) holds one tensor per column:
+
+* fixed columns: ``name`` of shape ``[n, ...]``; sample ``j`` is ``name[j]``;
+* ragged columns: ``name`` of shape ``[total, ...]`` plus ``name.offsets`` (int64, ``n + 1`` values from
+  0, non-decreasing, ending at ``total``); sample ``j`` is ``name[offsets[j]:offsets[j + 1]]``.
+
+Every shard is an ordinary safetensors file (the official library opens it); ``__metadata__`` records
+``{"format": "torchforge-columns", "version": "1", "samples": "<n>"}`` when torchforge wrote it.
+
+>>> with SafetensorsShardWriter("data/tok") as w:  # doctest: +SKIP
+...     w.write({"ids": torch.tensor([5, 7, 9]), "label": torch.tensor(1)})
+>>> SafetensorsDataset("data/tok")[0]["ids"]  # doctest: +SKIP
+tensor([5, 7, 9])
+"""
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchforge.datasets.base import ShardDataset, register_format
+from torchforge.errors import CorruptShardError, FormatError
+from torchforge.formats.safetensors import SafetensorsFile, TensorInfo, parse_size, read_header, save_safetensors
+
+__all__ = ["SafetensorsDataset", "SafetensorsShardWriter"]
+
+SUFFIX = ".safetensors"
+OFFSETS = ".offsets"
+_META = {"format": "torchforge-columns", "version": "1"}
+
+
+def _shard_files(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    return [os.path.join(path, f) for f in sorted(os.listdir(path))
+            if f.endswith(SUFFIX) and not f.startswith(".")]
+
+
+def _columns(infos: Mapping[str, TensorInfo], path: str) -> tuple[int, dict[str, bool]]:
+    """Sample count and column name -> ragged? of one shard, from its header alone."""
+    cols: dict[str, bool] = {}
+    n: int | None = None
+    for name, info in infos.items():
+        if name.endswith(OFFSETS) and name[: -len(OFFSETS)] in infos:
+            continue
+        ragged = name + OFFSETS in infos
+        if ragged:
+            off = infos[name + OFFSETS]
+            if off.dtype != "I64" or len(off.shape) != 1 or off.shape[0] < 1:
+                raise CorruptShardError(f"{name + OFFSETS!r} must be a 1-D int64 tensor of n + 1 offsets, got "
+                                        f"{off.dtype} {list(off.shape)}", path=path)
+            if not info.shape:
+                raise CorruptShardError(f"ragged column {name!r} must have at least one dimension", path=path)
+            rows = off.shape[0] - 1
+        else:
+            if not info.shape:
+                raise CorruptShardError(f"column {name!r} is 0-dim; expected shape [n, ...]", path=path)
+            rows = info.shape[0]
+        if n is not None and rows != n:
+            raise CorruptShardError(f"column {name!r} has {rows} samples, another column {n}", path=path)
+        n = rows
+        cols[name] = ragged
+    return n or 0, cols
+
+
+class SafetensorsDataset(ShardDataset):
+    """Map-style dataset over a folder (or a single file) of safetensors column shards.
+
+    Samples are dicts of column name -> tensor view into the shard's mmap (no copy; the files are
+    never written: in-place changes to a sample copy the touched pages privately).
+
+    Args:
+        path: a folder of ``*.safetensors`` shards (taken in name order) or one shard file.
+        columns: only these columns (default: all).
+    """
+
+    format_name = "safetensors"
+
+    def __init__(self, path: str | os.PathLike, *, columns: Iterable[str] | None = None):
+        self.path = os.fspath(path)
+        if not os.path.exists(self.path):
+            raise FormatError("no such file or folder", path=self.path)
+        self._files = _shard_files(self.path)
+        if not self._files:
+            raise FormatError(f"no *{SUFFIX} shards in the folder", path=self.path)
+        self._cols: list[dict[str, bool]] = []
+        self._ends: list[int] = []
+        total = 0
+        for f in self._files:
+            _, infos, meta = read_header(f)
+            n, cols = _columns(infos, f)
+            if meta and meta.get("format") == _META["format"] and meta.get("samples") != str(n):
+                raise CorruptShardError(f"metadata says {meta.get('samples')} samples, the columns {n}", path=f)
+            if columns is not None:
+                missing = sorted(set(columns) - set(cols))
+                if missing:
+                    raise FormatError(f"columns {missing} not in the shard (it has {sorted(cols)})", path=f)
+                cols = {c: cols[c] for c in columns}
+            if self._cols and set(cols) != set(self._cols[0]):
+                raise CorruptShardError(f"shard has columns {sorted(cols)}, the first shard "
+                                        f"{sorted(self._cols[0])}", path=f)
+            self._cols.append(cols)
+            total += n
+            self._ends.append(total)
+        self._open: dict[int, tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]] = {}
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def shard_files(self) -> list[str]:
+        return list(self._files)
+
+    @property
+    def columns(self) -> list[str]:
+        """Column names."""
+        return sorted(self._cols[0]) if self._cols else []
+
+    def _shard(self, s: int) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+        got = self._open.get(s)
+        if got is None:
+            path = self._files[s]
+            f = SafetensorsFile(path)
+            n = self._ends[s] - (self._ends[s - 1] if s else 0)
+            data, offsets = {}, {}
+            for c, ragged in self._cols[s].items():
+                data[c] = f[c]
+                if ragged:
+                    off = f[c + OFFSETS].numpy()
+                    falls = np.flatnonzero(np.diff(off) < 0)
+                    if off[0] != 0 or off[-1] != data[c].shape[0] or falls.size:
+                        j = int(falls[0]) + 1 if falls.size else (0 if off[0] != 0 else n)
+                        raise CorruptShardError(
+                            f"offsets of ragged column {c!r} must rise from 0 to {data[c].shape[0]}; offset {j} is "
+                            f"{off[j]}", path=path, offset=f.data_start + f.infos[c + OFFSETS].start + 8 * j)
+                    offsets[c] = off
+            got = self._open[s] = (data, offsets)
+        return got
+
+    def _get(self, i: int) -> dict[str, torch.Tensor]:
+        s = bisect.bisect_right(self._ends, i)
+        j = i - (self._ends[s - 1] if s else 0)
+        data, offsets = self._shard(s)
+        out = {}
+        for c, t in data.items():
+            off = offsets.get(c)
+            out[c] = t[j] if off is None else t[int(off[j]): int(off[j + 1])]
+        return out
+
+
+class SafetensorsShardWriter:
+    """Writes samples (dicts of tensors, numpy arrays or numbers) into safetensors column shards.
+
+    A column whose values all have the same shape within a shard is stored fixed (stacked); otherwise
+    ragged (concatenated along the first dimension, with ``name.offsets``); columns named in ``ragged``
+    are always ragged. Every sample must have the same columns and, per column, the same dtype.
+
+    Args:
+        out: the folder to create (must not hold shards already).
+        max_shard_size: start a new shard when a shard's data would pass this size (``"256MB"`` or bytes).
+        samples_per_shard: or after this many samples.
+        ragged: columns to store ragged even when their shapes agree.
+    """
+
+    def __init__(self, out: str | os.PathLike, *, max_shard_size: int | str = "256MB",
+                 samples_per_shard: int | None = None, ragged: Iterable[str] = ()):
+        self.out = os.fspath(out)
+        os.makedirs(self.out, exist_ok=True)
+        if _shard_files(self.out):
+            raise FormatError(f"folder already holds *{SUFFIX} shards; write into an empty folder", path=self.out)
+        self.max_bytes = parse_size(max_shard_size)
+        if samples_per_shard is not None and samples_per_shard < 1:
+            raise ValueError(f"samples_per_shard={samples_per_shard!r} must be >= 1")
+        self.samples_per_shard = samples_per_shard
+        self.ragged = set(ragged)
+        self._rows: list[dict[str, torch.Tensor]] = []
+        self._bytes = 0
+        self._shards = 0
+        self._schema: dict[str, torch.dtype] | None = None
+        self.files: list[str] = []
+        self.samples = 0
+
+    def write(self, sample: Mapping[str, Any]) -> None:
+        """Add one sample."""
+        row = {}
+        for k, v in sample.items():
+            if not isinstance(k, str) or k.endswith(OFFSETS) or k == "__metadata__":
+                raise FormatError(f"column name {k!r} must be a str not ending in {OFFSETS!r}")
+            t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
+            row[k] = t.detach().cpu()
+        schema = {k: t.dtype for k, t in row.items()}
+        if self._schema is None:
+            self._schema = schema
+        elif schema != self._schema:
+            raise FormatError(f"sample {self.samples} has columns/dtypes {schema}, earlier samples "
+                              f"{self._schema}", path=self.out)
+        self._rows.append(row)
+        self.samples += 1
+        self._bytes += sum(t.numel() * t.element_size() for t in row.values())
+        if self._bytes >= self.max_bytes or (self.samples_per_shard and len(self._rows) >= self.samples_per_shard):
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._rows:
+            return
+        tensors: dict[str, torch.Tensor] = {}
+        for c in self._rows[0]:
+            vals = [r[c] for r in self._rows]
+            if c not in self.ragged and all(v.shape == vals[0].shape for v in vals):
+                tensors[c] = torch.stack(vals)
+                continue
+            if any(v.dim() == 0 or v.shape[1:] != vals[0].shape[1:] for v in vals):
+                raise FormatError(f"column {c!r} is ragged: its values need >= 1 dimension and equal trailing "
+                                  f"dimensions, got shapes {sorted({tuple(v.shape) for v in vals})[:4]}",
+                                  path=self.out)
+            tensors[c] = torch.cat(vals)
+            tensors[c + OFFSETS] = torch.tensor([0] + [v.shape[0] for v in vals], dtype=torch.int64).cumsum(0)
+        path = os.path.join(self.out, f"shard-{self._shards:05d}{SUFFIX}")
+        save_safetensors(tensors, path, {**_META, "samples": str(len(self._rows))})
+        self.files.append(path)
+        self._shards += 1
+        self._rows, self._bytes = [], 0
+
+    def close(self) -> None:
+        """Write the last shard."""
+        self._flush()
+
+    def __enter__(self) -> SafetensorsShardWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+
+
+def detect(path: str) -> bool:
+    """A ``.safetensors`` file, or a folder of them that is not a checkpoint (no ``*.index.json``)."""
+    if os.path.isfile(path):
+        return path.endswith(SUFFIX)
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any(n.endswith(SUFFIX) and not n.startswith(".") for n in names) and not any(
+        n.endswith(".safetensors.index.json") for n in names)
+
+
+register_format("safetensors", SafetensorsDataset, detect)
