@@ -383,3 +383,21 @@ def test_iterable_shards_in_process_and_positions():
     assert len(shards) == 10
     with pytest.raises(SamplerError):
         IterableShards([], block_size=0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(0, 400), workers=st.integers(1, 5), block=st.integers(1, 9))
+def test_worker_split_has_no_gaps_or_repeats(n, workers, block):
+    shards = IterableShards(list(range(n)), GlobalSampler(n, shuffle=False), block_size=block)
+    parts = [[p.tolist() for p in shards.worker_positions(w, workers)] for w in range(workers)]
+    flat = [sorted(x for chunk in part for x in chunk) for part in parts]
+    assert sorted(x for part in flat for x in part) == list(range(n))
+    # round-robin over the workers, one block at a time, gives the sampler's order back
+    streams = [[x for chunk in part for x in chunk] for part in parts]
+    merged, turn = [], 0
+    while any(streams):
+        w = turn % workers
+        merged += streams[w][:block]
+        streams[w] = streams[w][block:]
+        turn += 1
+    assert merged == list(range(n))
