@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torchforge
-from torchforge.datasets.base import open_dataset
-from torchforge.datasets.mds import MDSDataset
+from torchforge.datasets import base
+from torchforge.datasets.mds import MDSDataset, detect
 from torchforge.errors import CodecError, CorruptShardError, FormatError, TorchforgeError
 from torchforge.formats import mds as mds_mod
 from torchforge.formats.mds import MDSWriter, hash_names
@@ -61,7 +61,9 @@ def test_fixture_reads_equal_to_generator(name):
     ds = MDSDataset(os.path.join(FIXTURES, name))
     _assert_rows(ds, list(mds_rows(m["n"], m["seed"])))
     assert ds[-1]["id"] == m["n"] - 1
-    assert isinstance(open_dataset(os.path.join(FIXTURES, name)), MDSDataset)
+    # Registered for open_dataset (called here without loading the other formats' modules).
+    assert base._FORMATS["mds"] == (MDSDataset, detect)
+    assert detect(os.path.join(FIXTURES, name)) and not detect(os.path.join(FIXTURES, "jinx-b64-multishard"))
 
 
 @pytest.mark.parametrize("name", MDS_FIXTURES)
@@ -268,6 +270,7 @@ def test_cache_dir_argument_is_kept(tmp_path):
     cache.mkdir()
     ds = MDSDataset(out, cache_dir=str(cache))
     assert ds[4]["id"] == 4
+    assert pickle.loads(pickle.dumps(ds))[3]["id"] == 3
     del ds
     gc.collect()
     assert len(os.listdir(cache)) == 1

@@ -93,8 +93,13 @@ def _build_reader_class() -> type:
 
         def __getstate__(self) -> dict[str, Any]:
             state = self.__dict__.copy()
-            state["_shard"] = None
+            state["_shard"] = None  # maps and decoders (closures) are rebuilt on the other side
+            del state["_decoder"]
             return state
+
+        def __setstate__(self, state: dict[str, Any]) -> None:
+            self.__dict__.update(state)
+            self._decoder = SampleDecoder(self._meta, self._meta.raw_basename, allow_unsafe_types=True)
 
     MDSStreamingReader.__module__ = __name__
     MDSStreamingReader.__qualname__ = "MDSStreamingReader"

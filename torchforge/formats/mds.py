@@ -62,6 +62,9 @@ class Compression:
     level: int | None
     per_sample: bool
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return parse_mds_compression, (self.spec,)  # codecs hold functions: rebuild from the spec
+
     def compress(self, data: bytes) -> bytes:
         if self.extension == "gz":
             return _gzip_like_streaming(data, 9 if self.level is None else self.level)

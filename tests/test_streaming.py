@@ -1,0 +1,134 @@
+"""torchforge.streaming.patch(): MosaicML Streaming reading through torchforge's MDS reader."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+import torchforge.streaming as tfs
+from torchforge.formats.mds import MDSWriter
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "interop")
+sys.path.insert(0, FIXTURES)
+from expected import MDS_COLUMNS, mds_rows, same  # noqa: E402
+
+
+def test_importing_torchforge_never_imports_streaming():
+    code = ("import sys, torchforge, torchforge.streaming, torchforge.datasets.mds, torchforge.formats.mds_reader\n"
+            "torchforge.MDSDataset, torchforge.MDSWriter, torchforge.streaming.is_patched()\n"
+            "assert not [m for m in sys.modules if m == 'streaming' or m.startswith('streaming.')], 'imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+streaming = pytest.importorskip("streaming", reason="MosaicML Streaming is not installed")
+from streaming import StreamingDataset  # noqa: E402
+from streaming.base.util import clean_stale_shared_memory  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _clean_streaming():
+    tfs.unpatch()
+    clean_stale_shared_memory()
+    yield
+    tfs.unpatch()
+    clean_stale_shared_memory()
+
+
+def _write(folder, rows, compression=None, columns=MDS_COLUMNS, size_limit=1 << 15):
+    with MDSWriter(folder, columns, compression=compression, size_limit=size_limit) as w:
+        for r in rows:
+            w.write(r)
+    return folder
+
+
+def _dataset(tmp_path, folder, **kw):
+    """A StreamingDataset over a private copy of ``folder`` (Streaming may delete or add files there)."""
+    local = str(tmp_path / f"local-{uuid.uuid4().hex}")
+    shutil.copytree(folder, local)
+    return StreamingDataset(local=local, shuffle=False, batch_size=1, **kw)
+
+
+def _check(ds, rows):
+    assert ds.num_samples == len(rows)
+    for i in (0, len(rows) // 2, len(rows) - 1):
+        assert same(rows[i], ds[i]) == ""
+    got = list(ds)
+    assert len(got) == len(rows)
+    for r, g in zip(rows, got):
+        assert same(r, g) == ""
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_streaming_reads_torchforge_mds(tmp_path, compression):
+    rows = list(mds_rows(80, 11))
+    src = _write(str(tmp_path / "src"), rows, compression)
+    _check(_dataset(tmp_path, src), rows)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd:5", "sample::zstd", "sample::br"])
+def test_patched_streaming_reads_equal(tmp_path, compression):
+    rows = list(mds_rows(80, 12))
+    src = _write(str(tmp_path / "src"), rows, compression)
+    tfs.patch()
+    assert tfs.is_patched()
+    ds = _dataset(tmp_path, src)
+    assert type(ds.shards[0]).__name__ == "MDSStreamingReader"
+    _check(ds, rows)
+
+
+def test_sample_compression_needs_patch_and_unpatch_restores(tmp_path):
+    rows = list(mds_rows(40, 13))
+    src = _write(str(tmp_path / "src"), rows, "sample::zstd")
+    original = streaming.base.format._readers["mds"]
+    with pytest.raises(Exception):  # Streaming takes the folder for a half-present compressed one
+        _dataset(tmp_path, src)[0]
+    tfs.patch()
+    tfs.patch()  # idempotent
+    _check(_dataset(tmp_path, src), rows)
+    tfs.unpatch()
+    assert streaming.base.format._readers["mds"] is original and not tfs.is_patched()
+    with pytest.raises(Exception):
+        _dataset(tmp_path, src)[0]
+
+
+def test_patched_fixtures(tmp_path):
+    tfs.patch()
+    for name, seed in (("mds-streaming-none", 201), ("mds-sample-zstd", 202)):
+        _check(_dataset(tmp_path, os.path.join(FIXTURES, name)), list(mds_rows(200, seed)))
+
+
+def test_patched_reader_pickles_by_name(tmp_path):
+    tfs.patch()
+    ds = _dataset(tmp_path, _write(str(tmp_path / "src"), mds_rows(10, 14)))
+    assert ds[3]["id"] == 3  # opens the shard's map
+    reader = pickle.loads(pickle.dumps(ds.shards[0]))
+    assert type(reader) is tfs.MDSStreamingReader and reader.get_item(3)["id"] == 3
+
+
+def test_patched_unsafe_types_gate_and_eviction(tmp_path):
+    tfs.patch()
+    rows = [{"p": {"k": i}, "x": np.arange(i + 1, dtype=np.int32)} for i in range(30)]
+    src = _write(str(tmp_path / "src"), rows, "zstd", {"p": "pkl", "x": "ndarray:int32"}, size_limit=300)
+    with pytest.raises(ValueError, match="allow_unsafe_types"):
+        _dataset(tmp_path, src)
+    # A remote with a small cache: shards are fetched, decompressed, evicted and fetched again.
+    local = str(tmp_path / f"cache-{uuid.uuid4().hex}")
+    shards = json.load(open(os.path.join(src, "index.json")))["shards"]
+    assert len(shards) > 4
+    biggest = max(s["raw_data"]["bytes"] + s["zip_data"]["bytes"] for s in shards)
+    limit = os.path.getsize(os.path.join(src, "index.json")) + 4 * biggest  # Streaming stalls at 2
+    # predownload=1: with the default look-ahead Streaming itself can stall on a cache this small.
+    ds = StreamingDataset(remote=src, local=local, shuffle=False, batch_size=1, allow_unsafe_types=True,
+                          predownload=1, cache_limit=limit)
+    for _ in range(2):
+        got = list(ds)
+        assert [g["p"] for g in got] == [r["p"] for r in rows]
+        assert all(np.array_equal(g["x"], r["x"]) for g, r in zip(got, rows))
+    assert sum(os.path.getsize(os.path.join(local, f)) for f in os.listdir(local)) <= limit
