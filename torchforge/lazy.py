@@ -43,41 +43,49 @@ class LazySample(Mapping):
         self._done: dict[str, Any] | None = None
 
     def __getitem__(self, key: str) -> Any:
-        raw = self._raw
-        v = raw.get(key, _MISSING)
-        if v is not _MISSING and type(v) in _PLAIN and "." not in key:  # "." for speed; _slow checks ext_sep
+        v = self._raw.get(key, _MISSING)
+        if type(v) in _PLAIN and "." not in key:  # "." for speed; _slow checks the real ext_sep
             return v
         return self._slow(key, v)
 
     def _slow(self, key: str, v: Any) -> Any:
         done = self._done
-        if done is None:
-            done = self._done = {}
-        elif key in done:
-            return done[key]
-        if type(key) is not str or self._src.ext_sep in key:
+        if done is not None:
+            hit = done.get(key, _MISSING)
+            if hit is not _MISSING:
+                return hit
+        src = self._src
+        if type(key) is not str or src.ext_sep in key:
             raise KeyError(key)
         if v is _MISSING:
             raw_key = self._raw_key(key)
             if raw_key is None:
                 raise KeyError(key)
-            v = self._src.decode(raw_key, self._raw[raw_key], self._off)
+            v = src.decode(raw_key, self._raw[raw_key], self._off)
+        elif type(v) is dict:
+            v = LazySample(v, src, self._off)
+        elif type(v) is list:
+            v = _wrap_list(v, src, self._off)
+        else:  # a plain value under a key with a "." (the shard's separator is another one)
+            return v
+        if done is None:
+            self._done = {key: v}
         else:
-            v = _wrap(v, self._src, self._off)
-        done[key] = v
+            done[key] = v
         return v
 
     def _raw_key(self, key: str) -> str | None:
         raw = self._raw
         src = self._src
-        for cand in src.aliases.get(key, ()):
-            if cand in raw:
-                return cand
-        sep = src.ext_sep
-        prefix = key + sep
+        seen = src.aliases.get(key)
+        if seen is not None:
+            for cand in seen:
+                if cand in raw:
+                    return cand
+        prefix = key + src.ext_sep
         for cand in raw:
             if cand.startswith(prefix):
-                src.aliases[key] = (*src.aliases.get(key, ()), cand)
+                src.aliases[key] = (*(seen or ()), cand)
                 return cand
         return None
 
@@ -109,14 +117,13 @@ class LazySample(Mapping):
         return f"LazySample({list(self)!r})"
 
 
-def _wrap(v: Any, src: LazySource, offset: int) -> Any:
-    t = type(v)
-    if t is dict:
-        return LazySample(v, src, offset)
-    if t is list:
-        for x in v:
-            if type(x) is dict or type(x) is list:
-                return [LazySample(x, src, offset) if type(x) is dict else _wrap(x, src, offset) for x in v]
+def _wrap_list(v: list, src: LazySource, offset: int) -> list:
+    """A list with its dicts (at any depth) as lazy samples; the list itself if it holds none."""
+    for x in v:
+        t = type(x)
+        if t is dict or t is list:
+            return [LazySample(x, src, offset) if type(x) is dict else
+                    _wrap_list(x, src, offset) if type(x) is list else x for x in v]
     return v
 
 

@@ -9,6 +9,7 @@ import glob
 import logging
 import os
 from bisect import bisect_right
+from itertools import chain
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -129,14 +130,15 @@ class JinxDataset(ShardDataset):
         if not 0 <= i < n:
             raise IndexError(f"index {i} out of range for JinxDataset of {n} samples")
         shards = self._shards if self._shards is not None else self._open()
+        if len(shards) == 1:
+            return shards[0].sample(i, self.lazy)
         s = bisect_right(self._ends, i)
         return shards[s].sample(i - self._starts[s], self.lazy)
 
     def __iter__(self) -> Iterator[Any]:
         shards = self._shards if self._shards is not None else self._open()
         on_error = self._skip if self.on_error == "skip" else None
-        for shard in shards:
-            yield from shard.iter_samples(self.lazy, on_error=on_error)
+        return chain.from_iterable(shard.iter_samples(self.lazy, on_error=on_error) for shard in shards)
 
     def _skip(self, err: TorchforgeError) -> None:
         self.skipped += 1

@@ -52,7 +52,7 @@ def encode_text(data: Buffer, encoding: str) -> str:
     if encoding == "b64":
         return binascii.b2a_base64(data, newline=False).decode("ascii")
     if encoding == "a85":
-        return base64.a85encode(bytes(data)).decode("ascii")
+        return _a85encode(bytes(data))
     if encoding == "hex":
         return bytes(data).hex()
     raise FormatError(f"encoding={encoding!r} is not one of {list(ENCODINGS)}")
@@ -67,6 +67,23 @@ def decode_text(text: str, encoding: str) -> bytes:
     if encoding == "hex":
         return bytes.fromhex(text)
     raise ValueError(f"unknown encoding {encoding!r}: not one of {list(ENCODINGS)}")
+
+
+def _a85encode(data: bytes) -> str:
+    """``base64.a85encode(data)`` (no folding, ``z`` for zero groups), vectorized for long inputs."""
+    if len(data) < 256:
+        return base64.a85encode(data).decode("ascii")
+    pad = -len(data) % 4
+    words = np.frombuffer(data + b"\0" * pad, dtype=">u4").astype(np.uint64)
+    digits = (words[:, None] // _POW85 % 85 + 33).astype(np.uint8)
+    zero = words == 0
+    if pad:
+        zero[-1] = False  # the stdlib writes a padded last group in full, then cuts it
+    keep = np.ones(digits.shape, dtype=bool)
+    keep[zero, 1:] = False
+    digits[zero, 0] = ord("z")
+    out = digits[keep].tobytes()
+    return (out[:len(out) - pad] if pad else out).decode("ascii")
 
 
 _POW85 = np.array([85**4, 85**3, 85**2, 85, 1], dtype=np.uint64)
