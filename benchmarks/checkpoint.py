@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/tf-ckpt-bench")
+    ap.add_argument("--threads", type=int, default=None, help="torchforge writer threads (default: its own)")
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
@@ -74,7 +75,12 @@ def main() -> None:
           f"{os.cpu_count()} CPUs, torch {torch.__version__}")
 
     tpath, sm, so = (os.path.join(args.dir, n) for n in ("torch.pt", "model.safetensors", "opt.safetensors"))
-    ck = Checkpointer(os.path.join(args.dir, "tf"), keep_last=1)
+    ck = Checkpointer(os.path.join(args.dir, "tf"), keep_last=1, threads=args.threads)
+
+    def unlink(*paths: str) -> None:  # old files are removed before the timed saves (not timed)
+        for q in paths:
+            if os.path.exists(q):
+                os.unlink(q)
 
     def torch_save(sync: bool) -> None:
         torch.save({"model": mt, "optimizer": ot}, tpath)
@@ -120,14 +126,21 @@ def main() -> None:
     }
     res: dict[str, list[float]] = {k: [] for k in (*saves, *restores, "torchforge save(blocking=False) returns",
                                                    "torchforge background write")}
+    ratios = []
     for r in range(args.rounds):
         for name, fn in saves.items():
+            unlink(tpath, sm, so)
+            ck.wait(deletions=True)  # torchforge deletes pruned steps in the background: not during others
             res[name].append(timed(fn))
         ck.save(next(step), model=model, optimizer=opt, blocking=False)  # warms the staging arena
-        ck.wait()
+        ck.wait(deletions=True)
         res["torchforge save(blocking=False) returns"].append(timed(
             lambda: ck.save(next(step), model=model, optimizer=opt, blocking=False)))
         res["torchforge background write"].append(timed(ck.wait))
+        ck.wait(deletions=True)
+        ratios.append(res["torchforge save(blocking=False) returns"][-1] / res["torchforge save (fsync)"][-1])
+        torch_save(False)  # the files the restores read
+        st_save(False)
         for name, fn in restores.items():
             res[name].append(timed(fn))
         print(f"round {r + 1}/{args.rounds} done", flush=True)
@@ -147,7 +160,8 @@ def main() -> None:
     print(f"restore time / (load_file + copy_) time:    {r / b['safetensors load_file + copy_']:5.2f}   (target <= 1.2)")
     print(f"restore vs torch.load + copy_:              {b['torch.load + copy_'] / r:5.2f}x  (target >= 10)")
     print(f"non-blocking save blocks the caller for:    {b['torchforge save(blocking=False) returns'] / ours:6.1%} "
-          "of a blocking save (target <= 10%)")
+          f"of a blocking save, best to best; median of same-round ratios {statistics.median(ratios):.1%} "
+          "(target <= 10%)")
     ck.close()
     shutil.rmtree(args.dir, ignore_errors=True)
 

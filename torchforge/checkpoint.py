@@ -124,8 +124,16 @@ class Checkpointer:
                                             name=f"torchforge-ckpt-{step}", daemon=False)
             self._thread.start()
 
-    def wait(self) -> None:
-        """Block until the background save (if any) is committed; re-raise its error."""
+    def wait(self, *, deletions: bool = False) -> None:
+        """Block until the background save (if any) is committed; re-raise its error.
+
+        Args:
+            deletions: also wait until pruned steps' files are deleted (that runs in the background).
+        """
+        if deletions:
+            for f in self._deletes:
+                f.result()
+            self._deletes = []
         t = self._thread
         if t is not None:
             t.join()
@@ -313,10 +321,7 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for a background save and deletions, free the staging memory and stop the threads."""
         try:
-            self.wait()
-            for f in self._deletes:
-                f.result()
-            self._deletes = []
+            self.wait(deletions=True)
         finally:
             self._arena = Arena()
             self._pool.shutdown(wait=True)
