@@ -1,14 +1,16 @@
 """Generate and stream one epoch's indices: GlobalSampler vs torch's DistributedSampler.
 
 Each contender runs in its own fresh subprocess, so its peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``)
-is its own; the imports' RSS is reported separately. Timing covers building the sampler, drawing the
+is its own; the RSS reached before timing starts (imports, and the keys of ``bucketed``) is shown too. Timing covers building the sampler, drawing the
 epoch's order and consuming it the way one rank's loader does:
 
 - ``torch``: ``DistributedSampler`` (``torch.randperm(n).tolist()``, then the rank's slice) read in
   batches with ``itertools.islice``, which is what torch's ``BatchSampler`` does;
 - ``ints``: ``GlobalSampler`` read the same way (Python ints);
 - ``batches``: ``GlobalSampler.indices(b * B, (b + 1) * B)`` per batch, numpy (torchforge.DataLoader's path);
-- ``chunks``: ``GlobalSampler.chunks(65536)``, numpy arrays (bulk streaming).
+- ``chunks``: ``GlobalSampler.chunks(65536)``, numpy arrays (bulk streaming);
+- ``bucketed`` (on request): a length-bucketed order -- random int32 lengths, stable argsort, buckets of
+  4096 shuffled -- streamed in chunks; sorted orders need the O(n) argsort, so this shows its cost.
 
 Every contender counts what it streamed and reads the first and last index of every batch or chunk;
 the counts must agree.
@@ -17,6 +19,7 @@ Usage::
 
     python benchmarks/sampler.py                      # n = 10M and 100M, world size 1, batch 512
     python benchmarks/sampler.py --sizes 1e7 --world-size 8 --repeat 3
+    python benchmarks/sampler.py --sizes 1e8 --contenders torch,bucketed
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ import subprocess
 import sys
 import time
 
-CONTENDERS = ("torch", "ints", "batches", "chunks")
+CONTENDERS = ("torch", "ints", "batches", "chunks", "bucketed")
+DEFAULT = "torch,ints,batches,chunks"
 
 
 def _rss_mb() -> float:
@@ -41,6 +45,11 @@ def _child(name: str, n: int, world: int, batch: int) -> dict:
 
     from torchforge.sampler import GlobalSampler
 
+    lengths = None
+    if name == "bucketed":  # the keys exist before the sampler is built (a dataset's cached keys)
+        import numpy as np
+
+        lengths = np.random.default_rng(0).integers(1, 4096, n, dtype=np.int32)
     base = _rss_mb()
     t0 = time.perf_counter()
     count = total = 0
@@ -62,7 +71,8 @@ def _child(name: str, n: int, world: int, batch: int) -> dict:
             count += len(b)
             total += b[0] + b[-1]
     else:
-        sampler = GlobalSampler(n, seed=0, rank=0, world_size=world)
+        sampler = GlobalSampler(n, seed=0, rank=0, world_size=world, sort_key=lengths,
+                                bucket_size=None if lengths is None else 4096)
         sampler.set_epoch(0)
         if name == "batches":
             m = len(sampler)
@@ -92,7 +102,7 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=1, help="runs per contender (best time, max RSS kept)")
-    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--contenders", default=DEFAULT, help=f"comma-separated, of {CONTENDERS}")
     ap.add_argument("--child", choices=CONTENDERS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = [int(float(s)) for s in args.sizes.split(",")]
@@ -117,7 +127,7 @@ def main() -> None:
         for name in names:
             r = res[name]
             line = (f"n={n:>11,} {name:>8}: {r['seconds']:7.2f} s  peak RSS {r['peak_rss_mb']:8.0f} MB "
-                    f"(imports {r['import_rss_mb']:.0f} MB, epoch {r['peak_rss_mb'] - r['import_rss_mb']:7.0f} MB)")
+                    f"(before timing {r['import_rss_mb']:.0f} MB, epoch {r['peak_rss_mb'] - r['import_rss_mb']:7.0f} MB)")
             if ref is not None and name != "torch":
                 line += (f"  time x{r['seconds'] / ref['seconds']:.2f}, peak RSS x{r['peak_rss_mb'] / ref['peak_rss_mb']:.3f}"
                          f" (1/{ref['peak_rss_mb'] / r['peak_rss_mb']:.1f}) of DistributedSampler")

@@ -118,6 +118,18 @@ def test_sorted_and_bucketed_orders(n, bucket, shuffle, descending, seed, data):
         assert order.tolist() == expected
 
 
+@pytest.mark.parametrize("dtype", ["int8", "uint16", "int32", "int64", "uint64", "float32", "bool"])
+@pytest.mark.parametrize("span", [2, 60_000, 70_000, 2**40])
+def test_sort_matches_a_stable_sort_for_every_key_type(dtype, span):
+    rng = np.random.default_rng(span)
+    raw = rng.integers(0, span, 3000, dtype=np.int64) - (span // 2 if dtype[0] in "if" else 0)
+    keys = raw.astype(dtype)  # narrow types wrap: still a valid key array
+    for descending in (False, True):
+        got = GlobalSampler(3000, sort_key=keys, descending=descending).global_indices(0, 3000).tolist()
+        expected = sorted(range(3000), key=lambda i: (-keys[i].item() if descending else keys[i].item(), i))
+        assert got == expected
+
+
 def test_buckets_shuffle_between_and_within():
     n, b = 4000, 40
     keys = np.arange(n) // 7  # many ties
@@ -401,3 +413,12 @@ def test_worker_split_has_no_gaps_or_repeats(n, workers, block):
         streams[w] = streams[w][block:]
         turn += 1
     assert merged == list(range(n))
+
+
+def test_as_the_sampler_of_torch_dataloader():
+    data = list(range(500, 600))
+    sampler = GlobalSampler(data, seed=8, rank=2, world_size=3, bucket_size=5, sort_key=[x % 7 for x in data])
+    loader = torch.utils.data.DataLoader(data, batch_size=6, sampler=sampler, num_workers=2)
+    assert len(loader) == 6
+    got = [int(x) - 500 for batch in loader for x in batch]
+    assert got == sampler.indices(0, len(sampler)).tolist() and len(got) == 34

@@ -375,9 +375,22 @@ def _keys(dataset: Any, sort_key: Any, n: int) -> np.ndarray:
 
 
 def _argsort(keys: np.ndarray, descending: bool) -> np.ndarray:
+    keys = _narrow(keys)
     if not descending:
         return np.argsort(keys, kind="stable").astype(np.int64, copy=False)
     # stable descending: sort the reversed keys ascending, then map back (ties keep index order)
     rev = np.argsort(keys[::-1], kind="stable")[::-1]
     out = (len(keys) - 1) - rev.astype(np.int64, copy=False)
     return np.ascontiguousarray(out)
+
+
+def _narrow(keys: np.ndarray) -> np.ndarray:
+    """Integer keys spanning fewer than 65536 values as uint16 offsets: numpy's stable sort is then a
+    radix sort, several times faster than the merge sort it uses for wider types (same order)."""
+    if keys.dtype.kind not in "iu" or keys.dtype.itemsize <= 2 or keys.size == 0:
+        return keys
+    lo, hi = keys.min(), keys.max()
+    if int(hi) - int(lo) >= 1 << 16:
+        return keys
+    # exact: every difference lies in [0, 65536); computed buffer-wise, with no full-size temporary
+    return np.subtract(keys, lo, out=np.empty(keys.shape, dtype=np.uint16), casting="unsafe")
