@@ -327,3 +327,13 @@ def test_many_paths_concatenate(tmp_path):
     ds = JinxDataset([tmp_path / "a", str(tmp_path / "b.jinx")])
     _check_equal(a + b, ds)
     assert ds.locate(6) == (1, 1)
+
+
+def test_writer_refuses_a_folder_with_shards(tmp_path):
+    _write(tmp_path / "d", list(rich(30, 1)), shard_size=20_000, binary_threshold=256)
+    assert len(os.listdir(tmp_path / "d")) > 2
+    with pytest.raises(FormatError, match="overwrite=True"):
+        JinxWriter(tmp_path / "d")
+    _write(tmp_path / "d", [{"id": 1}], overwrite=True)
+    assert sorted(os.listdir(tmp_path / "d")) == ["shard-00000.jinx"]
+    assert [dict(s) for s in JinxDataset(tmp_path / "d")] == [{"id": 1}]

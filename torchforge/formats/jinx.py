@@ -10,6 +10,7 @@ folder of ``shard-NNNNN.jinx`` files (+ ``shard-NNNNN.binx`` sidecars) that MLDa
 """
 from __future__ import annotations
 
+import glob
 import math
 import os
 import sys
@@ -223,6 +224,8 @@ class JinxWriter:
         binary_threshold: values over this many bytes go to the ``.binx`` sidecar; None keeps all inline.
         split: a split name written into every footer (readers can filter on it).
         ext_sep: the key-extension separator.
+        overwrite: delete the ``shard-*.jinx`` (and ``.binx``) files already in the folder; without it a
+            folder that holds shards is refused (the new shards would be mixed with stale ones).
 
     Use it as a context manager, or call :meth:`close`.
 
@@ -234,7 +237,7 @@ class JinxWriter:
     def __init__(self, path: str | os.PathLike, *, shard_size: int | None = 2**26, compression: str | None = "zst",
                  index_compression: str | None = "zst", compress_threshold: int = 128, compress_ratio: float = 0.67,
                  encoding: str = "a85", binary_threshold: int | None = None, split: str | None = None,
-                 ext_sep: str = ".") -> None:
+                 ext_sep: str = ".", overwrite: bool = False) -> None:
         self.path = os.fspath(path)
         self.compression, self.level = _parse_codec("compression", compression)
         self.index_compression, self.index_level = _parse_codec("index_compression", index_compression)
@@ -264,6 +267,14 @@ class JinxWriter:
         self.files: list[str] = []
         if shard_size is not None:
             os.makedirs(self.path, exist_ok=True)
+            old = sorted(glob.glob(os.path.join(glob.escape(self.path), "shard-*.jinx")))
+            if old and not overwrite:
+                raise FormatError(f"folder already holds {len(old)} JINX shard(s), which a reader would mix with "
+                                  "the new ones: pick an empty folder or pass overwrite=True", path=self.path)
+            for f in old:
+                for g in (f, sidecar_path(f)):
+                    if os.path.exists(g):
+                        os.unlink(g)
         self._prev: str | None = None
         self._shard: _ShardWriter | None = _ShardWriter(self._shard_path(0), self)
         self.files.append(self._shard.path)
