@@ -268,3 +268,28 @@ def test_parse_size():
     for bad in ("2XB", "-1", 0, "GB"):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+def test_tensor_hyperparameters_and_sgd_state(tmp_path):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3)
+    opts = [torch.optim.AdamW(m.parameters(), lr=torch.tensor(0.01), foreach=False),
+            torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)]
+    x = torch.randn(5, 4)
+    for opt in opts:
+        for _ in range(2):
+            opt.zero_grad()
+            m(x).square().sum().backward()
+            opt.step()
+    ck = Checkpointer(tmp_path)
+    for i, opt in enumerate(opts):
+        ck.save(i, model=m, optimizer=opt)
+        m2 = torch.nn.Linear(4, 3)
+        fresh = type(opt)(m2.parameters(), lr=0.5)
+        ck.restore(i, model=m2, optimizer=fresh)
+        sd, sd2 = opt.state_dict(), fresh.state_dict()
+        assert _bitwise_equal(sd["state"], sd2["state"])
+        for g, g2 in zip(sd["param_groups"], sd2["param_groups"]):
+            assert g.keys() == g2.keys()
+            for k in g:
+                assert (torch.equal(g[k], g2[k]) if isinstance(g[k], torch.Tensor) else g[k] == g2[k]), k

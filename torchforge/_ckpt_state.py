@@ -170,5 +170,5 @@ def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: 
     for g, s in zip(groups, sgroups):
         for k, v in s.items():
             if k != "params":
-                g[k] = v
+                g[k] = v.clone() if isinstance(v, torch.Tensor) else v  # e.g. a tensor lr: not the mmap
     opt.__setstate__({"state": state, "param_groups": groups})

@@ -37,7 +37,7 @@ from torchforge.formats.safetensors import fsync_dir, load_safetensors
 
 __all__ = ["Checkpointer"]
 
-_STEP = re.compile(r"step-(\d+)")
+_STEP = re.compile(r"step-(\d{8,})")
 _FORMAT = "torchforge-checkpoint"
 MANIFEST, STATE = "manifest.json", "state.json"
 GROUPS = ("model", "optimizer", "extra")

@@ -69,6 +69,8 @@ DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
 _ORDER = {code: i for i, code in enumerate(DTYPES)}
 _CODE_OF: dict[torch.dtype, str] = {dt: code for code, (_, dt) in DTYPES.items() if dt is not None}
 _F4 = DTYPES["F4"][1]
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
 
 @dataclass(frozen=True)
@@ -508,6 +510,7 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLik
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".safetensors")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the mode open() would
         write_all(fd, [memoryview(head)] + [as_bytes(t) for _, t, _ in layout], 0)
         if fsync:
             os.fsync(fd)
