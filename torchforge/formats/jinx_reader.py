@@ -128,8 +128,9 @@ class JinxShard:
             raise self._fail(f"index starts at {int(offsets[0])}, expected 0", foot)
         if n and not bool(np.all(offsets[1:] > offsets[:-1])):
             bad = int(np.argmax(offsets[1:] <= offsets[:-1]))
-            raise self._fail(f"index offsets out of order: sample {bad} spans {int(offsets[bad])}.."
-                             f"{int(offsets[bad + 1])}", int(offsets[bad]))
+            start = int(offsets[bad])
+            raise self._fail(f"index offsets out of order: sample {bad} spans {start}..{int(offsets[bad + 1])}",
+                             start if start < size else foot)
         if int(offsets[-1]) != foot:
             raise self._fail(f"index ends at {int(offsets[-1])} but the footer starts at {foot}",
                              min(int(offsets[-1]), size))
