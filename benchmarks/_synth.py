@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["synth_samples", "N_DEFAULT"]
+__all__ = ["N_DEFAULT", "synth_samples"]
 
 N_DEFAULT = 20_000
-_WORDS = (
+_WORDS = (  # noqa: SIM905 - a paragraph reads better than 200 quoted words
     "the a of to and in is it you that he was for on are with as I his they be at one have this from or "
     "had by not word but what some we can out other were all there when up use your how said an each she "
     "which do their time if will way about many then them write would like so these her long make thing "

@@ -22,16 +22,16 @@ import gc
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import numpy as np  # noqa: E402
-import orjson  # noqa: E402
-
-from _synth import N_DEFAULT, synth_samples  # noqa: E402
+import numpy as np
+import orjson
+from _synth import N_DEFAULT, synth_samples
 
 
 def write_dataset(path: str, n: int, seed: int) -> None:
@@ -135,7 +135,7 @@ def main() -> None:
     tasks = [("iterate", task_iterate, ()), ("iterate+image", task_image, ()),
              ("shuffle", task_shuffle, (perm,)), ("sort", task_sort, ())]
     for name, task, extra in tasks:
-        r_mdf, r_tf = best([lambda: task(mdf, *extra), lambda: task(tf, *extra)], n, args.repeat)
+        r_mdf, r_tf = best([lambda t=task, x=extra: t(mdf, *x), lambda t=task, x=extra: t(tf, *x)], n, args.repeat)
         print(f"{name:<16}{r_mdf:>15,.0f}{r_tf:>15,.0f}{r_tf / r_mdf:>7.1f}x")
 
 

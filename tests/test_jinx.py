@@ -26,9 +26,10 @@ from torchforge.lazy import LazySample, materialize
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "fixtures", "interop")
 sys.path.insert(0, FIXTURES)
-from expected import rich, same  # noqa: E402
+from expected import rich, same
 
-MANIFEST = json.load(open(os.path.join(FIXTURES, "manifest.json")))
+with open(os.path.join(FIXTURES, "manifest.json")) as _f:
+    MANIFEST = json.load(_f)
 JINX_FIXTURES = sorted(k for k, v in MANIFEST.items() if v["format"] == "jinx")
 
 
@@ -134,7 +135,7 @@ def test_thresholds_follow_mldataforge(tmp_path):
     noise = os.urandom(3000)
     _write(tmp_path / "t", [{"short": "x" * 127, "long": long_text, "noise": noise, "small": b"ab"}],
            encoding="b64", binary_threshold=2048)
-    line = orjson.loads(open(tmp_path / "t" / "shard-00000.jinx", "rb").readline())
+    line = orjson.loads((tmp_path / "t" / "shard-00000.jinx").read_bytes().split(b"\n", 1)[0])
     assert line["short"] == "x" * 127
     assert "long.str.zst" in line  # compressible: zst, inline, b64 text
     assert line["noise.raw.bin"] == {"offset": 0, "length": 3000}  # incompressible: raw, to the sidecar

@@ -20,7 +20,7 @@ from torchforge.lazy import materialize
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "fixtures", "interop"))
-from expected import rich, same  # noqa: E402
+from expected import rich, same
 
 
 def craft(path, lines, *, index=None, **footer):
@@ -72,7 +72,7 @@ def _copy(src, dst):
 # --- truncation and bit flips ------------------------------------------------------------------------------
 def test_every_truncation_is_refused_at_open(shard, tmp_path):
     folder, _ = shard
-    data = open(folder / "shard-00000.jinx", "rb").read()
+    data = (folder / "shard-00000.jinx").read_bytes()
     target = tmp_path / "shard-00000.jinx"
     cuts = sorted(set(range(0, len(data), max(1, len(data) // 150))) | set(range(len(data) - 40, len(data))))
     for cut in cuts:
@@ -86,7 +86,7 @@ def _flipped(shard, tmp_path, positions):
     """Yield (position, path) with the shard copied to tmp_path and byte ``position`` XOR 0x80, which is
     never valid UTF-8 inside JSON and never a digit in the offset line."""
     folder, _ = shard
-    data = open(folder / "shard-00000.jinx", "rb").read()
+    data = (folder / "shard-00000.jinx").read_bytes()
     foot = int(data.rstrip(b"\n").rsplit(b"\n", 1)[1])
     target = tmp_path / "shard-00000.jinx"
     shutil.copy(folder / "shard-00000.binx", tmp_path / "shard-00000.binx")
@@ -120,7 +120,7 @@ def test_random_flips_anywhere_raise_typed_errors_or_read(shard, tmp_path, name)
     rng = random.Random(hash(name) & 0xFFFF)
     work = tmp_path / "ds"
     shutil.copytree(folder, work)
-    data = open(folder / name, "rb").read()
+    data = (folder / name).read_bytes()
     outcomes = set()
     for _ in range(120):
         pos = rng.randrange(len(data))
@@ -269,7 +269,7 @@ def test_bad_value_raises_on_access(tmp_path, key, value, error):
 
 
 def test_short_and_missing_sidecar(shard, tmp_path):
-    folder, samples = shard
+    folder, _ = shard
     jinx = _copy(folder, tmp_path / "ds")
     binx = jinx.with_suffix(".binx")
     size = binx.stat().st_size

@@ -13,7 +13,7 @@ from torchforge.formats.jinx import JinxWriter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "fixtures", "interop"))
-from expected import rich, same  # noqa: E402
+from expected import rich, same
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ class LazySample(Mapping):
     dicts and lists (bytes for binary values), decoding everything.
     """
 
-    __slots__ = ("_raw", "_src", "_off", "_done")
+    __slots__ = ("_done", "_off", "_raw", "_src")
 
     def __init__(self, raw: dict, src: LazySource, offset: int) -> None:
         self._raw = raw

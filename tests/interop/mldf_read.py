@@ -10,9 +10,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from canon import canon  # noqa: E402
-import lz4.frame  # noqa: E402,F401  MLDataForge uses lz4.frame after a bare `import lz4`; a full install imports it elsewhere
-from mldataforge.jinx import JinxDatasetReader  # noqa: E402
+import lz4.frame  # noqa: F401  MLDataForge uses lz4.frame after a bare `import lz4`; a full install imports it elsewhere
+from canon import canon
+from mldataforge.jinx import JinxDatasetReader
 
 
 def main(folders):
@@ -20,7 +20,7 @@ def main(folders):
         out = {"path": folder}
         try:
             read(folder, out)
-        except Exception as e:  # reported, so the test can name what MLDataForge refused
+        except Exception as e:  # noqa: BLE001 - reported, so the test can name what MLDataForge refused
             out["error"] = f"{type(e).__name__}: {e}"
         print(json.dumps(out), flush=True)
 

@@ -11,9 +11,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fixtures", "interop"))
-from expected import rich  # noqa: E402
-import lz4.frame  # noqa: E402,F401  MLDataForge uses lz4.frame after a bare `import lz4`
-from mldataforge.jinx import JinxDatasetWriter  # noqa: E402
+import lz4.frame  # noqa: F401  MLDataForge uses lz4.frame after a bare `import lz4`
+from expected import rich
+from mldataforge.jinx import JinxDatasetWriter
 
 
 def main(jobs):

@@ -9,8 +9,8 @@ import glob
 import logging
 import os
 from bisect import bisect_right
-from itertools import chain
 from collections.abc import Iterator, Sequence
+from itertools import chain
 from typing import Any
 
 from torchforge.datasets.base import ShardDataset, register_format

@@ -14,7 +14,7 @@ import glob
 import math
 import os
 import sys
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Self
 
 import numpy as np
 import orjson
@@ -32,7 +32,7 @@ from torchforge.formats.jinx_codec import (
 from torchforge.formats.jinx_reader import JinxShard, sidecar_path
 from torchforge.lazy import LazySample
 
-__all__ = ["JinxShard", "JinxWriter", "SHARD_TEMPLATE"]
+__all__ = ["SHARD_TEMPLATE", "JinxShard", "JinxWriter"]
 
 SHARD_TEMPLATE = "shard-{:05d}.jinx"
 _INF = float("inf")
@@ -58,10 +58,10 @@ def _parse_codec(option: str, spec: str | None) -> tuple[str | None, int | None]
 class _ShardWriter:
     """Writes one shard: lines, the sidecar (opened on first offload), the footer."""
 
-    def __init__(self, path: str, opts: "JinxWriter") -> None:
+    def __init__(self, path: str, opts: JinxWriter) -> None:
         self.path = path
         self.o = opts
-        self.file: BinaryIO = open(path, "wb")
+        self.file: BinaryIO = open(path, "wb")  # noqa: SIM115 - open for the writer's life, closed in close()
         self.bin: BinaryIO | None = None
         self.offsets = [0]
         self.pos = 0
@@ -152,7 +152,7 @@ class _ShardWriter:
 
     def offload(self, data: Any) -> dict[str, int]:
         if self.bin is None:
-            self.bin = open(sidecar_path(self.path), "wb")
+            self.bin = open(sidecar_path(self.path), "wb")  # noqa: SIM115 - closed in close()
         offset = self.bin.tell()
         self.bin.write(data)
         return {"offset": offset, "length": len(data)}
@@ -303,8 +303,8 @@ class JinxWriter:
             self._shard.close(self.shard_id, self._prev, None)
             self._shard = None
 
-    def __enter__(self) -> "JinxWriter":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 import numpy as np
+import zstandard
 
 from torchforge.codecs import get_codec, is_codec
 from torchforge.errors import CodecError, FormatError
@@ -152,16 +153,14 @@ def _unzstd(data: Buffer, path: str | None, offset: int | None) -> bytes:
     try:
         dctx = _tls.zstd
     except AttributeError:
-        import zstandard
-
         dctx = _tls.zstd = zstandard.ZstdDecompressor()
     try:
         dobj = dctx.decompressobj()
         out = dobj.decompress(data)
         if dobj.eof and not dobj.unused_data:
             return out
-    except Exception:  # zstandard.ZstdError: let the registry name it
-        pass
+    except zstandard.ZstdError:
+        pass  # the registry's decompressor names the problem, with path and offset
     return get_codec("zst").decompress(data, path=path, offset=offset)
 
 

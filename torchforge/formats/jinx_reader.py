@@ -15,14 +15,14 @@ from __future__ import annotations
 import mmap
 import os
 from binascii import a2b_base64
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import orjson
 
-from torchforge.errors import CodecError, CorruptShardError, FormatError, TorchforgeError
 from torchforge.codecs import is_codec
+from torchforge.errors import CodecError, CorruptShardError, FormatError, TorchforgeError
 from torchforge.formats.jinx_codec import (
     ENCODINGS,
     SCALAR_DTYPES,
@@ -303,7 +303,7 @@ class JinxShard:
             return load_pt(data)
         except (CodecError, FormatError):
             raise
-        except Exception as e:  # numpy's and torch's own errors
+        except Exception as e:  # noqa: BLE001 - numpy's and torch's own errors, re-raised typed
             raise self._fail(f"value of {raw_key!r} is not valid {ext} data ({type(e).__name__}: {e})",
                              offset) from None
 
