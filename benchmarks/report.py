@@ -96,6 +96,7 @@ def machine() -> dict[str, str]:
         "RAM": f"{mem_kib / 2**20:.1f} GiB",
         "disk": _disk(REPO),
         "OS": f"{platform.system()} {platform.release()}",
+        "load average (1/5/15 min) at the start": " / ".join(f"{x:.2f}" for x in os.getloadavg()),
         "Python": platform.python_version(),
         "torch": _version("torch"),
         "numpy": _version("numpy"),
@@ -195,23 +196,26 @@ def plot_table(result: dict, out_dir: str) -> tuple[list[str], str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     markers = {"JSONL": "s", "JINX + sidecar": "o", "MDS": "^"}
+    colors = {"torchforge": "tab:red", "orjson (anchor)": "tab:gray", "MLDataForge 0.6.10": "tab:blue",
+              "Streaming 0.13.0": "tab:green"}
     for op in table1.OPS:
-        fig, ax = plt.subplots(figsize=(9, 6), dpi=110)
-        for row in result["rows"]:
+        fig, ax = plt.subplots(figsize=(12, 6), dpi=110)
+        for k, row in enumerate(result["rows"], 1):
             r = row["results"][op]
+            label = f"{k}. {row['fmt']} {row['compression']}: {row['reader']}"
             if "error" in r:
+                ax.scatter([], [], marker="x", color="black", label=f"{label} (failed)")
                 continue
             x, y = r["peak_rss"] / table1.MIB, r["rate"]
-            mine = row["reader"] == "torchforge"
-            ax.scatter([x], [y], marker=markers.get(row["fmt"], "D"), s=60, zorder=3,
-                       color="tab:red" if mine else ("tab:gray" if row["data"] == "jsonl" else "tab:blue"))
-            ax.annotate(f"{row['fmt']} {row['compression']}\n{row['reader']}", (x, y), fontsize=6.5,
-                        xytext=(5, 3), textcoords="offset points")
+            ax.scatter([x], [y], marker=markers.get(row["fmt"], "D"), s=60, zorder=3, label=label,
+                       color=colors.get(row["reader"], "tab:purple"))
+            ax.annotate(str(k), (x, y), fontsize=8, xytext=(6, -10 + 8 * (k % 3)), textcoords="offset points")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("peak RSS of the process (MiB, log)")
         ax.set_ylabel("samples/s (log)")
-        ax.set_title(f"{op}: throughput against peak memory, n={result['n']} (red: torchforge)")
+        ax.set_title(f"{op}: samples/s against peak RSS, n={result['n']:,} (red: torchforge)")
         ax.grid(True, which="both", alpha=0.3)
         path = os.path.join(out_dir, f"table1_{op}.png")
         fig.tight_layout()
@@ -241,8 +245,14 @@ CPU cost, not the disk.
 and is consumed by one digest (keys, texts, numbers, length and one byte of every 4 KiB page of binary
 values, so that mapped pages are really read). Each operation's digest is compared with the digest of the
 generated samples: a reader returning other data is a failure, with the reason in the notes.
-JSONL random access uses a line-offset index built (and timed) from 16 MiB sequential reads, then one
-`os.pread` per sample. Each reader runs on a hard-linked copy of the folder, so that files it adds or deletes
+Readers: JSONL with `orjson.loads` per line and `base64.b64decode` of the image; random access through a
+line-offset index built (and timed) from 16 MiB sequential reads, then one `os.pread` per sample.
+torchforge: `JinxDataset(folder)` (lazy samples) and `MDSDataset(folder)`. MLDataForge 0.6.10 (Python 3.12
+venv): `JinxDatasetReader(folder, lazy=True, mmap=True)`. Streaming 0.13.0: `StreamingDataset(local=folder,
+shuffle=False, batch_size=1, predownload=n)` iterated and indexed directly in the measuring process (the
+default `predownload` of 8 x batch_size would throttle its iterator to about 8 samples per 7 ms tick);
+"+ patch()" is the same after `torchforge.streaming.patch()`, which swaps in torchforge's MDS shard reader.
+ Each reader runs on a hard-linked copy of the folder, so that files it adds or deletes
 do not affect the next measurement.
 
 Peak RSS is `getrusage(RUSAGE_SELF).ru_maxrss` of the measuring process; it includes the interpreter and
@@ -302,7 +312,10 @@ def render(mach: dict[str, str], table: dict | None, table_note: str, runs: list
         md += [f"**Not produced**: {table_note}", ""]
     else:
         key = ".".join(str(p) for p in table["key_path"])
-        md += [f"n = {table['n']:,} samples, seed {table['seed']}.", "", METHOD.format(key=key), "",
+        load = table.get("loadavg")
+        busy = (f" Load average (1 min) {load['start'][0]:.2f} when the measurements started, "
+                f"{load['end'][0]:.2f} when they ended, on {os.cpu_count()} cores." if load else "")
+        md += [f"n = {table['n']:,} samples, seed {table['seed']}.{busy}", "", METHOD.format(key=key), "",
                table1.table_markdown(table), "", "### torchforge's speed-up (samples/s ratio, same run)", "",
                table1.ratios_markdown(table), "", "### RSS after imports", "", _baseline_table(table), ""]
         md += ["### Throughput against peak RSS (like the paper's Figures 2, 4 and 5)", ""]
