@@ -16,15 +16,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from torchforge.errors import CheckpointError
 from torchforge.formats.safetensors import as_bytes, checksum, parse_size, plan, write_all
 
-__all__ = ["BLOCK", "FilePlan", "Arena", "parse_size", "plan_group", "write_files", "verify_files"]
+__all__ = ["BLOCK", "FilePlan", "Arena", "copy_tensors", "parse_size", "plan_group", "write_files", "verify_files"]
 
 BLOCK = 64 << 20  # checksum granularity
 CHUNK = 4 << 20  # hash-then-write run size
+_COPY = 8 << 20  # snapshot copy piece
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -93,8 +95,11 @@ class Arena:
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
 
-    def stage(self, files: Sequence[FilePlan]) -> None:
-        """Copy every part of ``files`` into the arena and point the files' views at it."""
+    def stage(self, files: Sequence[FilePlan], pool: ThreadPoolExecutor | None = None) -> None:
+        """Copy every part of ``files`` into the arena and point the files' views at it.
+
+        The copies run on ``pool`` (see :func:`copy_tensors`).
+        """
         regions, total = [], 0
         for f in files:
             regions.append(total)
@@ -102,18 +107,38 @@ class Arena:
         if self.buf is None or self.buf.numel() < total:
             self.buf = None
             self.buf = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        pairs = []
         for f, base in zip(files, regions):
             hl = len(f.head)
             for off, t in f.parts:
                 n = t.numel() * t.element_size()
                 if n:
-                    dst = self.buf[base + off - hl: base + off - hl + n].view(t.dtype).view(t.shape)
-                    dst.copy_(t.detach(), non_blocking=True)
+                    pairs.append((self.buf[base + off - hl: base + off - hl + n].view(t.dtype).view(t.shape), t))
             f.views = [(0, memoryview(f.head))]
             if f.size > hl:
                 f.views.append((hl, as_bytes(self.buf[base: base + f.size - hl])))
+        copy_tensors(pairs, pool)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+
+
+def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: ThreadPoolExecutor | None) -> None:
+    """``dst.copy_(src)`` for every pair; contiguous same-dtype CPU pairs are copied in 8 MiB pieces by the
+    pool's threads (numpy releases the GIL), which share the work dynamically and so keep going when
+    another process holds a core. Other pairs (GPU, strided, casting) are copied by torch."""
+    pieces = []
+    with torch.no_grad():
+        for dst, src in pairs:
+            if (pool is not None and dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype
+                    and dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous() and dst.numel()):
+                d = np.frombuffer(as_bytes(dst), dtype=np.uint8)
+                s = np.frombuffer(as_bytes(src), dtype=np.uint8)
+                pieces += [(d[i: i + _COPY], s[i: i + _COPY]) for i in range(0, len(d), _COPY)]
+            else:
+                dst.copy_(src.detach(), non_blocking=True)
+    if pieces and pool is not None:
+        for _ in pool.map(lambda p: np.copyto(p[0], p[1]), pieces):
+            pass
 
 
 def _blocks(views: Sequence[tuple[int, memoryview]], size: int) -> list[list[memoryview]]:

@@ -107,9 +107,17 @@ def model_table(model: torch.nn.Module) -> TensorTable:
     return table
 
 
+Copier = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]
+
+
+def _torch_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
 @torch.no_grad()
 def restore_model(model: torch.nn.Module, source: Callable[[str], torch.Tensor], names: list[str],
-                  aliases: Mapping[str, str], where: str) -> None:
+                  aliases: Mapping[str, str], where: str, copy: Copier = _torch_copy) -> None:
     """Copy stored tensors into the model's existing parameters and buffers (strict key match)."""
     target = model.state_dict(keep_vars=False)
     stored = set(names) | set(aliases)
@@ -118,6 +126,7 @@ def restore_model(model: torch.nn.Module, source: Callable[[str], torch.Tensor],
         raise CheckpointError(f"model keys differ from the checkpoint: missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]}", path=where)
     done: set[tuple] = set()
+    pairs = []
     for k, dst in target.items():
         src = source(aliases.get(k, k))
         if tuple(src.shape) != tuple(dst.shape):
@@ -127,11 +136,13 @@ def restore_model(model: torch.nn.Module, source: Callable[[str], torch.Tensor],
         if dst.numel() and key in done:  # tied in the model too: already restored
             continue
         done.add(key)
-        dst.copy_(src)
+        pairs.append((dst, src))
+    copy(pairs)
 
 
 @torch.no_grad()
-def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: str) -> None:
+def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: str,
+                      copy: Copier = _torch_copy) -> None:
     """Load a decoded optimizer state dict, copying into existing state tensors where shapes match.
 
     Follows ``Optimizer.load_state_dict``'s rules: state tensors take the parameter's device (and dtype
@@ -147,6 +158,7 @@ def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: 
             index[i] = p
             group_of[i] = g
     state: defaultdict = defaultdict(dict)
+    pairs = []
     for i, entry in saved["state"].items():
         if i not in index:
             raise CheckpointError(f"optimizer state for parameter {i} which no group holds", path=where)
@@ -163,10 +175,11 @@ def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: 
                 if not (isinstance(cur, torch.Tensor) and cur.shape == v.shape and cur.dtype == dt
                         and cur.device == torch.device(dev)):
                     cur = torch.empty(v.shape, dtype=dt, device=dev)
-                cur.copy_(v)
+                pairs.append((cur, v))
                 v = cur
             new[k] = v
         state[p] = new
+    copy(pairs)
     for g, s in zip(groups, sgroups):
         for k, v in s.items():
             if k != "params":

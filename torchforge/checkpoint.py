@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from torchforge._ckpt_io import Arena, FilePlan, parse_size, plan_group, verify_files, write_files
+from torchforge._ckpt_io import Arena, FilePlan, copy_tensors, parse_size, plan_group, verify_files, write_files
 from torchforge._ckpt_state import TensorTable, decode, encode, model_table, restore_model, restore_optimizer
 from torchforge.errors import CheckpointError, TorchforgeError
 from torchforge.formats.safetensors import fsync_dir, load_safetensors
@@ -112,7 +112,7 @@ class Checkpointer:
         files, state = self._plan(step, model, optimizer, extra)
         staged = not blocking or any(t.device.type != "cpu" for f in files for _, t in f.parts)
         if staged:
-            self._arena.stage(files)
+            self._arena.stage(files, self._pool)
         else:
             for f in files:
                 if f.parts:
@@ -278,12 +278,12 @@ class Checkpointer:
                 if "model" not in state:
                     raise CheckpointError(f"step {step} holds no model state", path=folder)
                 names, get = self._group(folder, "model")
-                restore_model(model, get, names, state["model"]["aliases"], folder)
+                restore_model(model, get, names, state["model"]["aliases"], folder, self._copy)
             if optimizer is not None:
                 if "optimizer" not in state:
                     raise CheckpointError(f"step {step} holds no optimizer state", path=folder)
                 _, get = self._group(folder, "optimizer")
-                restore_optimizer(optimizer, decode(state["optimizer"], get), folder)
+                restore_optimizer(optimizer, decode(state["optimizer"], get), folder, self._copy)
             if "extra.safetensors.index.json" in files:
                 _, get = self._group(folder, "extra")
                 return decode(state["extra"], lambda k: get(k).to(map_location, copy=True))
@@ -292,6 +292,9 @@ class Checkpointer:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"step {step} is damaged: {e.reason}", path=e.path, offset=e.offset) from e
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        copy_tensors(pairs, self._pool)
 
     def _json(self, folder: str, name: str) -> Any:
         p = os.path.join(folder, name)
