@@ -27,9 +27,24 @@ from torchforge.formats.mds import MDSWriter, hash_names
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "interop")
 sys.path.insert(0, FIXTURES)
-from expected import MDS_COLUMNS, mds_rows, same  # noqa: E402
+from expected import MDS_COLUMNS, mds_rows, same
 
-MANIFEST = json.load(open(os.path.join(FIXTURES, "manifest.json")))
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _save(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _json(path):
+    return json.loads(_read(path))
+
+
+MANIFEST = _json(os.path.join(FIXTURES, "manifest.json"))
 MDS_FIXTURES = ["mds-streaming-none", "mds-sample-zstd"]
 
 
@@ -41,7 +56,7 @@ def _write(folder, rows, columns=MDS_COLUMNS, **kw):
 
 
 def _files(folder):
-    return {f: open(os.path.join(folder, f), "rb").read() for f in sorted(os.listdir(folder))}
+    return {f: _read(os.path.join(folder, f)) for f in sorted(os.listdir(folder))}
 
 
 def _assert_rows(ds, rows):
@@ -71,7 +86,7 @@ def test_writer_reproduces_fixture_bytes(tmp_path, name):
     """Our writer, fed the generator's rows, writes the very bytes Streaming / MLDataForge wrote."""
     m = MANIFEST[name]
     src = os.path.join(FIXTURES, name)
-    entry = json.load(open(os.path.join(src, "index.json")))["shards"][0]
+    entry = _json(os.path.join(src, "index.json"))["shards"][0]
     out = _write(str(tmp_path / "out"), mds_rows(m["n"], m["seed"]), m["columns"], compression=m["compression"],
                  size_limit=entry["size_limit"])
     assert _files(out) == {f: b for f, b in _files(src).items() if not f.startswith(".")}
@@ -160,7 +175,7 @@ def test_byte_identical_to_streaming_mdswriter(tmp_path, monkeypatch, compressio
 def test_writer_defaults_and_public_name(tmp_path):
     assert torchforge.MDSWriter is MDSWriter and torchforge.MDSDataset is MDSDataset
     out = _write(str(tmp_path / "d"), [{"x": 1}], {"x": "int"})
-    idx = json.load(open(os.path.join(out, "index.json")))
+    idx = _json(os.path.join(out, "index.json"))
     (shard,) = idx["shards"]
     assert shard["size_limit"] == 1 << 26 and shard["compression"] is None and shard["hashes"] == []
     assert shard["column_sizes"] == [8] and shard["zip_data"] is None
@@ -348,9 +363,9 @@ def _shard0(folder):
 
 def _set_index_bytes(folder, k, size):
     path = os.path.join(folder, "index.json")
-    idx = json.load(open(path))
+    idx = _json(path)
     idx["shards"][k]["raw_data"]["bytes"] = size
-    json.dump(idx, open(path, "w"))
+    _save(path, json.dumps(idx).encode())
 
 
 def _read_all(folder, **kw):
@@ -362,8 +377,8 @@ def _read_all(folder, **kw):
 
 def test_truncated_shard(small):
     path = _shard0(small)
-    data = open(path, "rb").read()
-    open(path, "wb").write(data[:-10])
+    data = _read(path)
+    _save(path, data[:-10])
     with pytest.raises(FormatError) as e:
         _read_all(small)
     assert e.value.path == path and e.value.offset == len(data) - 10
@@ -375,9 +390,9 @@ def test_truncated_shard(small):
 
 def test_lying_count(small):
     path = _shard0(small)
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(_read(path))
     data[0:4] = struct.pack("<I", 10**6)
-    open(path, "wb").write(data)
+    _save(path, data)
     with pytest.raises(CorruptShardError, match="holds 1000000 samples") as e:
         _read_all(small)
     assert (e.value.path, e.value.offset) == (path, 0)
@@ -385,7 +400,7 @@ def test_lying_count(small):
 
 def test_lying_offsets(small):
     path = _shard0(small)
-    orig = open(path, "rb").read()
+    orig = _read(path)
     (n,) = struct.unpack_from("<I", orig)
     offs = list(struct.unpack_from(f"<{n + 1}I", orig, 4))
     cases = [(2, offs[1] - 1, "below the previous"), (0, 2, "first sample offset"),
@@ -393,14 +408,14 @@ def test_lying_offsets(small):
     for k, value, msg in cases:
         data = bytearray(orig)
         struct.pack_into("<I", data, 4 + 4 * k, value)
-        open(path, "wb").write(data)
+        _save(path, data)
         with pytest.raises(CorruptShardError, match=msg) as e:
             _read_all(small)
         assert e.value.path == path and e.value.offset == (4 + 4 * k if k else 4)
     # Monotonic but shifted: the sample boundaries move, so column sizes no longer fit the sample.
     data = bytearray(orig)
     struct.pack_into("<I", data, 4 + 4 * 2, offs[2] + 7)
-    open(path, "wb").write(data)
+    _save(path, data)
     with pytest.raises(CorruptShardError, match="lying column sizes or offsets") as e:
         _read_all(small)
     assert e.value.path == path and offs[1] <= e.value.offset <= offs[3]
@@ -420,14 +435,14 @@ def test_index_names_missing_shard_or_wrong_size(small):
 
 def test_bad_index_json(tmp_path, small):
     path = os.path.join(small, "index.json")
-    good = open(path).read()
+    good = _read(path).decode()
     for text, msg in [("{not json", "not JSON"), ('{"version": 3, "shards": []}', "not an MDS index"),
                       (good.replace('"samples": ', '"samples": -', 1), "negative"),
                       (good.replace('"shard.00000.mds"', '"../x.mds"', 1), "leaves the dataset folder"),
                       (good.replace('"bytes"', '"ndarray:int"', 1), "dtype 'int' is not one of"),
                       (good.replace('"bytes"', '"blob"', 1), "unknown MDS encoding"),
                       (good.replace('"compression": null', '"compression": "lzw"', 1), "not one of")]:
-        open(path, "w").write(text)
+        _save(path, text.encode())
         with pytest.raises(TorchforgeError, match=msg) as e:
             MDSDataset(small)
         assert e.value.path == path
@@ -438,11 +453,11 @@ def test_bad_index_json(tmp_path, small):
 def test_corrupt_compressed_sample(tmp_path):
     out = _write(str(tmp_path / "d"), mds_rows(8, 6), compression="sample::zstd")
     path = _shard0(out)
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(_read(path))
     (n,) = struct.unpack_from("<I", data)
     offs = struct.unpack_from(f"<{n + 1}I", data, 4)
     data[offs[3] + 6: offs[3] + 14] = b"\xff" * 8  # inside sample 3's zstd frame
-    open(path, "wb").write(data)
+    _save(path, data)
     ds = MDSDataset(out)
     assert ds[2]["id"] == 2
     with pytest.raises(TorchforgeError) as e:
@@ -454,17 +469,17 @@ def test_corrupt_compressed_sample(tmp_path):
 def test_corrupt_shard_level_zstd(tmp_path):
     out = _write(str(tmp_path / "d"), mds_rows(8, 6), compression="zstd", hashes=["sha1"])
     path = _shard0(out) + ".zstd"
-    orig = open(path, "rb").read()
+    orig = _read(path)
     data = bytearray(orig)
     data[4:10] = b"\xff" * 6  # the frame header
-    open(path, "wb").write(data)
+    _save(path, data)
     with pytest.raises(CodecError) as e:
         MDSDataset(out)[0]
     assert e.value.path == path and e.value.offset == 0
     # Random image bytes sit in raw zstd blocks, which carry no checksum: the sha1 in index.json catches it.
     data = bytearray(orig)
     data[len(data) // 2: len(data) // 2 + 16] = bytes(16)
-    open(path, "wb").write(data)
+    _save(path, data)
     with pytest.raises(CorruptShardError, match="sha1") as e:
         MDSDataset(out)[0]
     assert e.value.path == path and e.value.offset == 0
@@ -476,10 +491,10 @@ def test_corrupt_shard_level_zstd(tmp_path):
 def test_bit_flips_never_escape_as_untyped_errors(tmp_path_factory, flips, compression):
     out = _write(str(tmp_path_factory.mktemp("flip") / "d"), mds_rows(6, 8), compression=compression)
     path = _shard0(out)
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(_read(path))
     for where, mask in flips:
         data[int(where * len(data))] ^= mask
-    open(path, "wb").write(data)
+    _save(path, data)
     try:
         _read_all(out)
     except TorchforgeError as e:

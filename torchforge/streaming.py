@@ -19,7 +19,8 @@ import os
 import threading
 from typing import Any
 
-__all__ = ["patch", "unpatch", "is_patched", "MDSStreamingReader"]
+# MDSStreamingReader is reachable as an attribute too (built on first use, see __getattr__).
+__all__ = ["is_patched", "patch", "unpatch"]
 
 _lock = threading.Lock()
 _original: Any = None

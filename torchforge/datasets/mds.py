@@ -20,7 +20,7 @@ import numpy as np
 from torchforge.datasets.base import ShardDataset, register_format
 from torchforge.errors import CodecError, CorruptShardError, FormatError
 from torchforge.formats.mds import INDEX_BASENAME, get_hash, hash_names
-from torchforge.formats.mds_reader import LazySample, MDSShard, ShardMeta, read_index
+from torchforge.formats.mds_reader import MDSShard, ShardMeta, read_index
 
 __all__ = ["MDSDataset"]
 

@@ -20,24 +20,25 @@ import json
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Callable
+from typing import Any, Self
 
 from torchforge.codecs import Codec, get_codec
 from torchforge.errors import CodecError, FormatError
 from torchforge.formats.mds_encodings import Encoding, get_encoding
 
-__all__ = ["MDSWriter", "Compression", "parse_mds_compression", "hash_names", "get_hash", "MAX_SHARD_BYTES"]
+__all__ = ["MAX_SHARD_BYTES", "Compression", "MDSWriter", "get_hash", "hash_names", "parse_mds_compression"]
 
 MAX_SHARD_BYTES = 2**32 - 1  # offsets are uint32; the last offset is the shard's size
 INDEX_BASENAME = "index.json"
 
 # Streaming's compression families: extension -> (torchforge codec, default level, allowed levels).
 _FAMILIES: dict[str, tuple[str, int | None, range | None]] = {
-    "br": ("br", 11, range(0, 12)),
+    "br": ("br", 11, range(12)),
     "bz2": ("bz2", 9, range(1, 10)),
-    "gz": ("gz", 9, range(0, 10)),
+    "gz": ("gz", 9, range(10)),
     "snappy": ("snappy", None, None),
     "zstd": ("zst", 3, range(1, 23)),
 }
@@ -152,7 +153,7 @@ def _parse_size(size_limit: int | str | None) -> int | None:
                     value = int(float(text[:-2]) * mult)
                     break
             else:
-                value = int(text[:-1] if text.endswith("b") else text)
+                value = int(text.removesuffix("b"))
         except ValueError:
             raise FormatError(f"size_limit={size_limit!r} is not a number of bytes ('67108864', '64mb', "
                               f"suffixes b, {', '.join(units)})") from None
@@ -305,7 +306,7 @@ class MDSWriter:
 
     close = finish
 
-    def __enter__(self) -> MDSWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

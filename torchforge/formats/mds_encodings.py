@@ -12,15 +12,16 @@ from __future__ import annotations
 import io
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from torchforge.errors import FormatError
 
-__all__ = ["Encoding", "get_encoding", "encoding_names", "is_safe"]
+__all__ = ["Encoding", "encoding_names", "get_encoding", "is_safe"]
 
 Buffer = bytes | bytearray | memoryview
 

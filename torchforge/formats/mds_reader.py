@@ -23,7 +23,7 @@ from torchforge.errors import CodecError, CorruptShardError, FormatError, Torchf
 from torchforge.formats.mds import INDEX_BASENAME, Compression, parse_mds_compression
 from torchforge.formats.mds_encodings import Encoding, get_encoding
 
-__all__ = ["ShardMeta", "MDSShard", "SampleDecoder", "LazySample", "read_index", "parse_shard_entry"]
+__all__ = ["LazySample", "MDSShard", "SampleDecoder", "ShardMeta", "parse_shard_entry", "read_index"]
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,16 @@ class SampleDecoder:
         self.plan = plan
         self.nvar = sum(size is None for size in meta.column_sizes)
         self.sizes_struct = struct.Struct(f"<{self.nvar}I")
+        # For lazy lookups: name -> (fixed bytes before it, variable columns before it, size, decode).
+        self.spec: dict[str, tuple[int, int, int | None, Any]] = {}
+        fixed = var = 0
+        for name, dec, size in plan:
+            if dec is not None:
+                self.spec[name] = (fixed, var, size, dec)
+            if size is None:
+                var += 1
+            else:
+                fixed += size
 
     def decode(self, data: memoryview | bytes, where: int = 0) -> dict[str, Any]:
         """Decode one sample's bytes; ``where`` is its file offset, for error messages."""
@@ -173,7 +183,7 @@ class SampleDecoder:
                     out[name] = dec(data[pos:end])
                 except TorchforgeError:
                     raise
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - any decoder failure means corrupt bytes
                     self.undecodable(name, e, where, pos)
             pos = end
         if pos != n:
@@ -279,7 +289,7 @@ class MDSShard:
         """Sequential pass: the kernel reads ahead, samples are decoded in file order."""
         if self._mm is not None:
             try:
-                self._mm.madvise(mmap.MADV_SEQUENTIAL)
+                self._mm.madvise(mmap.MADV_WILLNEED)  # not SEQUENTIAL: that drops pages behind the reader
             except (AttributeError, OSError):  # pragma: no cover - not on every platform
                 pass
         offs = self._offsets_list
@@ -348,55 +358,55 @@ class MDSShard:
 class LazySample(Mapping):
     """A sample whose columns are decoded on first lookup (for keys, filters, column subsets)."""
 
-    __slots__ = ("_shard", "_i", "_cache")
+    __slots__ = ("_cache", "_i", "_shard")
 
     def __init__(self, shard: MDSShard, i: int) -> None:
         self._shard = shard
         self._i = i
         self._cache: dict[str, Any] | None = None
 
-    def _column(self, name: str) -> Any:
-        shard = self._shard
-        data = shard.raw(self._i)
-        where = shard._offsets_list[self._i]
-        if shard._sample_codec is not None:  # one decompression: decode everything once
-            if self._cache is None:
-                self._cache = shard.decode(data, where)
-            return self._cache[name]
-        pos = 4 * shard.decoder.nvar
-        if pos > len(data):
-            shard.decoder.overrun(None, pos, pos, len(data), where)
-        sizes = iter(shard.decoder.sizes_struct.unpack_from(data, 0))
-        for col, dec, size in shard.decoder.plan:
-            end = pos + (next(sizes) if size is None else size)
-            if col == name:
-                if end > len(data):
-                    shard.decoder.overrun(col, pos, end, len(data), where)
-                try:
-                    return dec(data[pos:end])
-                except TorchforgeError:
-                    raise
-                except Exception as e:
-                    shard.decoder.undecodable(col, e, where, pos)
-            pos = end
-        raise KeyError(name)  # pragma: no cover - guarded by __getitem__
-
     def __getitem__(self, name: str) -> Any:
-        if self._cache is not None and name in self._cache:
-            return self._cache[name]
-        if name not in self._shard.encodings or not any(c == name and d for c, d, _ in self._shard.decoder.plan):
+        cache = self._cache
+        if cache is not None and name in cache:
+            return cache[name]
+        shard = self._shard
+        dec = shard.decoder
+        spec = dec.spec.get(name)
+        if spec is None:
             raise KeyError(name)
-        value = self._column(name)
-        if self._cache is None:
-            self._cache = {}
-        self._cache[name] = value
+        if cache is None:
+            cache = self._cache = {}
+        begin, end = shard._offsets_list[self._i], shard._offsets_list[self._i + 1]
+        if dec.per_sample:  # one decompression: decode every column at once
+            cache.update(shard.get(self._i))
+            return cache[name]
+        fixed, var, size, decode = spec
+        n = end - begin
+        pos = 4 * dec.nvar
+        if pos > n:
+            dec.overrun(None, pos, pos, n, begin)
+        if var or size is None:
+            sizes = dec.sizes_struct.unpack_from(shard._view, begin)
+            pos += fixed + sum(sizes[:var])
+            if size is None:
+                size = sizes[var]
+        else:
+            pos += fixed
+        if pos + size > n:
+            dec.overrun(name, pos, pos + size, n, begin)
+        try:
+            value = cache[name] = decode(shard._view[begin + pos:begin + pos + size])
+        except TorchforgeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any decoder failure means corrupt bytes
+            dec.undecodable(name, e, begin, pos)
         return value
 
     def __iter__(self) -> Iterator[str]:
-        return (c for c, d, _ in self._shard.decoder.plan if d is not None)
+        return iter(self._shard.decoder.spec)
 
     def __len__(self) -> int:
-        return sum(d is not None for _, d, _ in self._shard.decoder.plan)
+        return len(self._shard.decoder.spec)
 
     def __repr__(self) -> str:
         return f"LazySample({self._shard.path!r}, {self._i})"
