@@ -43,12 +43,11 @@ class LazySample(Mapping):
         self._done: dict[str, Any] | None = None
 
     def __getitem__(self, key: str) -> Any:
-        v = self._raw.get(key, _MISSING)
-        if type(v) in _PLAIN and "." not in key:  # "." for speed; _slow checks the real ext_sep
+        raw = self._raw
+        v = raw.get(key, _MISSING)
+        if type(v) in _PLAIN and "." not in key:  # "." for speed; below the real ext_sep is checked
             return v
-        return self._slow(key, v)
-
-    def _slow(self, key: str, v: Any) -> Any:
+        # Everything else, in this one frame: cached, nested container, or a value to decode.
         done = self._done
         if done is not None:
             hit = done.get(key, _MISSING)
@@ -58,14 +57,23 @@ class LazySample(Mapping):
         if type(key) is not str or src.ext_sep in key:
             raise KeyError(key)
         if v is _MISSING:
-            raw_key = self._raw_key(key)
-            if raw_key is None:
-                raise KeyError(key)
-            v = src.decode(raw_key, self._raw[raw_key], self._off)
+            for raw_key in src.aliases.get(key, ()):
+                if raw_key in raw:
+                    break
+            else:
+                raw_key = self._raw_key(key)
+                if raw_key is None:
+                    raise KeyError(key)
+            v = src.decode(raw_key, raw[raw_key], self._off)
         elif type(v) is dict:
             v = LazySample(v, src, self._off)
         elif type(v) is list:
-            v = _wrap_list(v, src, self._off)
+            off = self._off
+            for x in v:
+                if type(x) is dict or type(x) is list:
+                    v = [LazySample(x, src, off) if type(x) is dict else
+                         _wrap_list(x, src, off) if type(x) is list else x for x in v]
+                    break
         else:  # a plain value under a key with a "." (the shard's separator is another one)
             return v
         if done is None:
@@ -75,17 +83,17 @@ class LazySample(Mapping):
         return v
 
     def _raw_key(self, key: str) -> str | None:
+        """The stored key (with extensions) of logical ``key``; remembers it in the source's aliases."""
         raw = self._raw
         src = self._src
-        seen = src.aliases.get(key)
-        if seen is not None:
-            for cand in seen:
-                if cand in raw:
-                    return cand
+        seen = src.aliases.get(key, ())
+        for cand in seen:
+            if cand in raw:
+                return cand
         prefix = key + src.ext_sep
         for cand in raw:
             if cand.startswith(prefix):
-                src.aliases[key] = (*(seen or ()), cand)
+                src.aliases[key] = (*seen, cand)
                 return cand
         return None
 

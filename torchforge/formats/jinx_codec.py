@@ -34,6 +34,7 @@ __all__ = [
     "load_pt",
     "save_npy",
     "save_pt",
+    "unzstd",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -122,7 +123,7 @@ def compress_value(data: Buffer, ext: str, level: int | None) -> bytes:
 def decompress_value(data: Buffer, ext: str, *, path: str | None, offset: int | None) -> bytes:
     """Decompress one extension's worth; errors are CodecError naming ``path`` and ``offset``."""
     if ext == "zst":
-        return _unzstd(data, path, offset)
+        return unzstd(data, path, offset)
     if not is_codec(ext):
         raise FormatError(f"unknown extension {ext!r}: not a serialization ({sorted(SERIALIZATIONS)}) "
                           "or a compression", path=path, offset=offset)
@@ -145,7 +146,7 @@ def decompress_value(data: Buffer, ext: str, *, path: str | None, offset: int | 
 _tls = threading.local()
 
 
-def _unzstd(data: Buffer, path: str | None, offset: int | None) -> bytes:
+def unzstd(data: Buffer, path: str | None, offset: int | None) -> bytes:
     """zstd on the hot path: one decompressor per thread, streamed frames (no content size) welcome.
 
     Concatenated frames and every error go through :mod:`torchforge.codecs`.

@@ -31,6 +31,7 @@ from torchforge.formats.jinx_codec import (
     decompress_value,
     load_npy,
     load_pt,
+    unzstd,
 )
 from torchforge.lazy import LazySample
 
@@ -244,9 +245,18 @@ class JinxShard:
         scalar, from_bin, codecs, ser = plan
         if scalar is not None:
             return self._scalar(raw_key, scalar, value, offset)
-        data = self.sidecar(value, offset) if from_bin else self._text_bytes(raw_key, value, offset)
+        if from_bin:
+            data = self.sidecar(value, offset)
+        elif self._b64 and type(value) is str:  # the common case, inline
+            try:
+                data = a2b_base64(value, strict_mode=True)
+            except ValueError:
+                data = self._text_bytes(raw_key, value, offset)  # raises, naming the problem
+        else:
+            data = self._text_bytes(raw_key, value, offset)
         for ext in codecs:
-            data = decompress_value(data, ext, path=self.path, offset=offset)
+            data = (unzstd(data, self.path, offset) if ext == "zst" else
+                    decompress_value(data, ext, path=self.path, offset=offset))
         if ser == "str":
             try:
                 return str(data, "utf-8")
