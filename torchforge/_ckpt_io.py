@@ -27,6 +27,7 @@ __all__ = ["BLOCK", "FilePlan", "Arena", "copy_tensors", "parse_size", "plan_gro
 BLOCK = 64 << 20  # checksum granularity
 CHUNK = 4 << 20  # hash-then-write run size
 _COPY = 8 << 20  # snapshot copy piece
+WRITEBACK = True  # start write-back per block (sync_file_range) instead of leaving it all to fsync
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -199,15 +200,14 @@ def _pieces(views: Sequence[memoryview], size: int) -> list[list[memoryview]]:
 
 def _write_block(fd: int, offset: int, views: list[memoryview]) -> int:
     """CRC and write one block in cache-sized runs (each run is hashed, then written while it is still in
-    the CPU cache), starting the disk write-back of every run at once so that the final fsync is short."""
-    crc = 0
+    the CPU cache), then start the disk write-back of the block at once so that the final fsync is short."""
+    crc, start = 0, offset
     for run in _pieces(views, CHUNK):
         crc = checksum(run, crc)
         write_all(fd, run, offset)
-        n = sum(len(v) for v in run)
-        if _sync_file_range is not None:
-            _sync_file_range(fd, offset, n, _SYNC_FILE_RANGE_WRITE)
-        offset += n
+        offset += sum(len(v) for v in run)
+    if _sync_file_range is not None and WRITEBACK:
+        _sync_file_range(fd, start, offset - start, _SYNC_FILE_RANGE_WRITE)
     return crc
 
 
