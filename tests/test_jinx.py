@@ -60,7 +60,8 @@ def test_fixture_layout_facts():
 def test_split_filter_and_open_dataset():
     folder = os.path.join(FIXTURES, "jinx-b64-multishard")
     assert len(JinxDataset(folder, split="train")) == 300
-    assert len(JinxDataset(folder, split="test")) == 0
+    test = JinxDataset(folder, split="test")
+    assert len(test) == 0 and test.shard_files() == []  # key caches are per selection
     ds = open_dataset(folder)
     assert isinstance(ds, JinxDataset) and len(ds) == 300
     assert len(ds.shard_files()) == 28  # 14 shards + 14 sidecars

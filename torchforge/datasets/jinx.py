@@ -71,7 +71,7 @@ class JinxDataset(ShardDataset):
         self.split = split
         self.on_error = on_error
         self.skipped = 0
-        self._all_paths = _shard_paths(path_or_paths)
+        self._all_paths = _shard_paths(path_or_paths)  # never empty: _shard_paths raises first
         shards = [JinxShard(p) for p in self._all_paths]
         self._shards: list[JinxShard] | None = [s for s in shards if self._wanted(s)]
         self._paths = [s.path for s in self._shards]
@@ -110,7 +110,12 @@ class JinxDataset(ShardDataset):
         return self._n
 
     def shard_files(self) -> list[str]:
-        return [f for p in self._all_paths for f in (p, sidecar_path(p)) if f == p or os.path.exists(f)]
+        return [f for p in self._paths for f in (p, sidecar_path(p)) if f == p or os.path.exists(f)]
+
+    @property
+    def root(self) -> str:
+        """The folder of the first shard (key caches go there, also when a split selects none)."""
+        return os.path.dirname(os.path.abspath(self._all_paths[0]))
 
     @property
     def shards(self) -> list[JinxShard]:
