@@ -317,6 +317,8 @@ def test_dataset_checks_arguments(tmp_path):
         JinxDataset(os.path.join(FIXTURES, "jinx-a85-zst-inline"), on_error="ignore")
     with pytest.raises(FormatError, match="no such"):
         JinxDataset(tmp_path / "missing")
+    with pytest.raises(FormatError, match="given"):
+        JinxDataset([])
     os.makedirs(tmp_path / "nothing")
     with pytest.raises(FormatError, match="no shard"):
         JinxDataset(tmp_path / "nothing")

@@ -42,6 +42,8 @@ def _shard_paths(path_or_paths: str | os.PathLike | Sequence[str | os.PathLike])
             paths.append(p)
         else:
             raise FormatError("no such JINX file or folder", path=p)
+    if not paths:
+        raise FormatError("no JINX files or folders given")
     return paths
 
 
