@@ -293,3 +293,23 @@ def test_tensor_hyperparameters_and_sgd_state(tmp_path):
             assert g.keys() == g2.keys()
             for k in g:
                 assert (torch.equal(g[k], g2[k]) if isinstance(g[k], torch.Tensor) else g[k] == g2[k]), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_model_non_blocking_save_and_restore(tmp_path):
+    torch.manual_seed(0)
+    m = TiedLM().cuda()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    _train_cuda = lambda: (opt.zero_grad(), m(torch.randint(0, 64, (4, 5), device="cuda")).sum().backward(), opt.step())
+    _train_cuda()
+    before = {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
+    ck = Checkpointer(tmp_path)
+    ck.save(1, model=m, optimizer=opt, blocking=False)
+    assert ck._arena.buf is not None and ck._arena.buf.is_pinned()
+    _train_cuda()  # changes the parameters while the write runs
+    ck.wait()
+    fresh = TiedLM().cuda()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    ck.restore(1, model=fresh, optimizer=fresh_opt)
+    assert _bitwise_equal(before, {k: v.cpu() for k, v in fresh.state_dict().items()})
+    assert all(s["exp_avg"].is_cuda for s in fresh_opt.state.values())

@@ -119,8 +119,6 @@ class Arena:
             if f.size > hl:
                 f.views.append((hl, as_bytes(self.buf[base: base + f.size - hl])))
         copy_tensors(pairs, pool)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
 
 
 def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: ThreadPoolExecutor | None) -> None:
@@ -140,6 +138,8 @@ def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: Threa
     if pieces and pool is not None:
         for _ in pool.map(lambda p: np.copyto(p[0], p[1]), pieces):
             pass
+    if any(d.device.type == "cuda" or t.device.type == "cuda" for d, t in pairs):
+        torch.cuda.synchronize()  # the sources (mmaps, live tensors) may go away once we return
 
 
 def _blocks(views: Sequence[tuple[int, memoryview]], size: int) -> list[list[memoryview]]:

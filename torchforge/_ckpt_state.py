@@ -43,10 +43,10 @@ class TensorTable:
         self.tensors[name] = t
         return name
 
-    def contiguous_cpu(self) -> dict[str, torch.Tensor]:
-        """The tensors as contiguous CPU tensors (copies only those that are not already)."""
-        return {k: v if v.device.type == "cpu" and v.is_contiguous() else v.cpu().contiguous()
-                for k, v in self.tensors.items()}
+    def cpu_contiguous(self) -> dict[str, torch.Tensor]:
+        """The tensors, with strided CPU ones made contiguous (the zero-copy writer needs C order; other
+        devices are copied into the staging arena, which takes any strides)."""
+        return {k: v.contiguous() if v.device.type == "cpu" else v for k, v in self.tensors.items()}
 
 
 def encode(obj: Any, path: str, table: TensorTable) -> Any:

@@ -166,7 +166,7 @@ class Checkpointer:
                 continue
             tensors = tables[g].tensors
             if any(t.device.type == "cpu" and not t.is_contiguous() for t in tensors.values()):
-                tensors = tables[g].contiguous_cpu()  # zero-copy writes need C order; others copy in stage()
+                tensors = tables[g].cpu_contiguous()
             shards, index = plan_group(g, tensors, self.max_shard_size)
             files += shards + [FilePlan.of_bytes(f"{g}.safetensors.index.json", index)]
         files.append(FilePlan.of_bytes(STATE, json.dumps(state, indent=1).encode() + b"\n"))
