@@ -5,6 +5,14 @@ reader and its validation, :mod:`.jinx_codec` for the value extensions). :class:
 folder of ``shard-NNNNN.jinx`` files (+ ``shard-NNNNN.binx`` sidecars) that MLDataForge's
 ``JinxDatasetReader`` reads, with the same options and the same thresholds as its ``JinxDatasetWriter``.
 
+Values: str, bytes-like (``raw``), int/float/bool/None (plain JSON), numpy arrays (``npy``, no pickle),
+numpy scalars (their dtype as extension), torch tensors (``pt``), dicts and lists of these. What the
+format cannot hold is refused with a :class:`~torchforge.errors.FormatError` instead of being written
+wrong (MLDataForge writes some of it silently corrupted): keys containing the extension separator;
+bytes, arrays, tensors or numpy scalars directly inside a list (only dict keys carry extensions: wrap
+them in a dict); non-finite Python floats (JSON has none); integers beyond 64 bits. Strings inside
+lists are always stored plain.
+
 >>> with JinxWriter("out", compression="zst", encoding="b64", binary_threshold=1024) as w:  # doctest: +SKIP
 ...     w.write({"id": 0, "text": "hello", "image": b"...", "arr": np.zeros(3, np.float32)})
 """
