@@ -63,6 +63,7 @@ class Checkpointer:
         os.makedirs(self.root, exist_ok=True)
         self._pool = ThreadPoolExecutor(threads or min(8, max(2, os.cpu_count() or 2)),
                                         thread_name_prefix="torchforge-ckpt")
+        self._flusher = ThreadPoolExecutor(1, thread_name_prefix="torchforge-ckpt-flush")
         self._arena = Arena()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -176,7 +177,7 @@ class Checkpointer:
         tmp = os.path.join(self.root, f".tmp-step-{step:08d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.mkdir(tmp)
         try:
-            entries = write_files(tmp, files, self._pool)
+            entries = write_files(tmp, files, self._pool, self._flusher)
             manifest = {"format": _FORMAT, "version": 1, "step": step, "checksum": "crc32-64MiB-blocks",
                         "files": entries}
             write_files(tmp, [FilePlan.of_bytes(MANIFEST, json.dumps(manifest, indent=1).encode() + b"\n")],
@@ -328,6 +329,7 @@ class Checkpointer:
         finally:
             self._arena = Arena()
             self._pool.shutdown(wait=True)
+            self._flusher.shutdown(wait=True)
 
     def __enter__(self) -> Checkpointer:
         return self
