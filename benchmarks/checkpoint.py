@@ -72,7 +72,7 @@ def main() -> None:
     mt, ot = tensors_of(model, opt)
     total = sum(t.numel() * t.element_size() for t in (*mt.values(), *ot.values()))
     print(f"model + AdamW state: {total / 2**30:.3f} GiB in {len(mt) + len(ot)} tensors, "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__}")
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
 
     tpath, sm, so = (os.path.join(args.dir, n) for n in ("torch.pt", "model.safetensors", "opt.safetensors"))
     ck = Checkpointer(os.path.join(args.dir, "tf"), keep_last=1, threads=args.threads)
@@ -131,9 +131,11 @@ def main() -> None:
         for name, fn in saves.items():
             unlink(tpath, sm, so)
             ck.wait(deletions=True)  # torchforge deletes pruned steps in the background: not during others
+            os.sync()  # every contender starts with no dirty pages (not timed)
             res[name].append(timed(fn))
         ck.save(next(step), model=model, optimizer=opt, blocking=False)  # warms the staging arena
         ck.wait(deletions=True)
+        os.sync()
         res["torchforge save(blocking=False) returns"].append(timed(
             lambda: ck.save(next(step), model=model, optimizer=opt, blocking=False)))
         res["torchforge background write"].append(timed(ck.wait))
@@ -146,6 +148,7 @@ def main() -> None:
         print(f"round {r + 1}/{args.rounds} done", flush=True)
 
     gib = total / 2**30
+    print(f"load average at the end {os.getloadavg()[0]:.1f} (other processes share the CPUs and the disk)")
     print(f"\n{'contender':42s} {'best s':>8s} {'median s':>9s} {'GiB/s':>7s}")
     for name, ts in res.items():
         print(f"{name:42s} {min(ts):8.3f} {statistics.median(ts):9.3f} {gib / min(ts):7.2f}")
