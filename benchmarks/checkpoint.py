@@ -4,10 +4,14 @@ A model plus AdamW state of about 1 GiB (float32) is saved and restored into the
 optimizer, in the same run, alternating the contenders over several rounds; the best round of each is
 reported. torchforge always fsyncs its files and folders (a checkpoint that is not on disk is not
 committed); the competitors are timed both as they ship (no fsync) and with an fsync of their files and
-folder added ("+fsync"), which is the like-for-like comparison. Restores read files that are in the page
-cache (all contenders alike) and copy every tensor into the existing parameters and optimizer state.
+folder added ("+fsync"), which is the like-for-like comparison. Before every timed save the previous
+files are deleted and ``os.sync()`` runs (both untimed), so each contender starts with no dirty pages and
+pays no deletion (torchforge prunes old steps in the background; the benchmark waits for that, untimed).
+Restores read files that are in the page cache (all contenders alike) and copy every tensor into the
+existing parameters and optimizer state. The load average is printed: other processes share the CPUs
+and the disk, so compare within one run.
 
-    .venv/bin/python benchmarks/checkpoint.py [--gib 1.0] [--rounds 3] [--dir /tmp/tf-ckpt-bench]
+    .venv/bin/python benchmarks/checkpoint.py [--gib 1.0] [--rounds 5] [--dir /tmp/tf-ckpt-bench]
 """
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ def timed(fn) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/tf-ckpt-bench")
     ap.add_argument("--threads", type=int, default=None, help="torchforge writer threads (default: its own)")
     args = ap.parse_args()
