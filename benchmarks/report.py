@@ -31,12 +31,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import table1  # noqa: E402
+import table1
 
 REPO = table1.REPO
 # The head-to-head benchmarks the issues ask for; any other benchmarks/*.py script is run too.
@@ -62,7 +61,7 @@ def _version(dist: str, python: str | None = None) -> str:
         except importlib.metadata.PackageNotFoundError:
             return "not installed"
     code = f"import importlib.metadata as m; print(m.version({dist!r}))"
-    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     return proc.stdout.strip() if proc.returncode == 0 else "not installed"
 
 
@@ -88,9 +87,10 @@ def machine() -> dict[str, str]:
     mem_kib = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines()
                     if line.startswith("MemTotal:")), 0)
     mldf_py = table1.MLDF_PY if os.path.exists(table1.MLDF_PY) else None
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=False)
     return {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "CPU": cpu,
         "cores": f"{os.cpu_count()} logical (affinity {len(os.sched_getaffinity(0))})",
         "RAM": f"{mem_kib / 2**20:.1f} GiB",
@@ -103,15 +103,15 @@ def machine() -> dict[str, str]:
         "orjson": _version("orjson"),
         "zstandard": _version("zstandard"),
         "mosaicml-streaming": _version("mosaicml-streaming"),
-        "mldataforge": (f"{_version('mldataforge', mldf_py)} (Python {_version_of_python(mldf_py)}, .venv-mldf)"
-                        if mldf_py else "not installed (.venv-mldf missing)"),
+        "mldataforge": (f"{_version('mldataforge', mldf_py)} (Python {_version_of_python(mldf_py)}, "
+                        ".venv-mldf)" if mldf_py else "not installed (.venv-mldf missing)"),
         "torchforge commit": commit.stdout.strip() or "unknown",
     }
 
 
 def _version_of_python(python: str) -> str:
     proc = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, check=False)
     return proc.stdout.strip() or "?"
 
 
@@ -160,7 +160,7 @@ def run_script(path: str, timeout: float, args: list[str] | None = None) -> Scri
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                              env=dict(os.environ, PYTHONPATH=REPO))
+                              env=dict(os.environ, PYTHONPATH=REPO), check=False)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
@@ -238,8 +238,8 @@ CPU cost, not the disk.
 * **iterate**: every sample, in the reader's own sequential order, fully decoded.
 * **shuffle**: `numpy.random.default_rng(seed).permutation(n)`, random access, every sample fully decoded.
 * **sort**: a key pass reading `{key}` of every sample in order, each reader's cheapest way (lazy
-  access for JINX, column selection for torchforge MDS, a full parse for JSONL and Streaming), a stable
-  argsort, then random access in sorted order, every sample fully decoded.
+  samples for JINX and torchforge MDS, a JSON parse without base64 decoding for JSONL, full samples
+  from Streaming), a stable argsort, then random access in sorted order, every sample fully decoded.
 
 "Fully decoded": every field becomes a Python value (text `str`, image bytes-like, zero-copy views allowed)
 and is consumed by one digest (keys, texts, numbers, length and one byte of every 4 KiB page of binary
@@ -265,8 +265,8 @@ memory (`RssAnon`, sampled every 20 ms). Storage is the bytes on disk of the dat
 def _fence(text: str) -> str:
     lines = text.rstrip().splitlines()
     if len(lines) > MAX_OUTPUT_LINES:
-        lines = lines[:MAX_OUTPUT_LINES // 2] + [f"... ({len(lines) - MAX_OUTPUT_LINES} lines left out) ..."] \
-            + lines[-MAX_OUTPUT_LINES // 2:]
+        cut = f"... ({len(lines) - MAX_OUTPUT_LINES} lines left out) ..."
+        lines = [*lines[:MAX_OUTPUT_LINES // 2], cut, *lines[-MAX_OUTPUT_LINES // 2:]]
     return "```text\n" + "\n".join(lines).replace("```", "'''") + "\n```"
 
 
@@ -304,8 +304,8 @@ def render(mach: dict[str, str], table: dict | None, table_note: str, runs: list
            plots: list[str], plot_note: str, out_path: str, command: str, seconds: float) -> str:
     """The whole RESULTS.md text."""
     md = ["# torchforge benchmark results", "",
-          f"Generated by `{command}` (`make bench`) in {seconds / 60:.1f} min on {mach['date']}. "
-          "Do not edit by hand: re-run it.", "", "## Machine", "",
+          (f"Generated by `{command}` (`make bench`) in {seconds / 60:.1f} min on {mach['date']}. "
+           "Do not edit by hand: re-run it."), "", "## Machine", "",
           "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in mach.items()], ""]
     md += ["## Table 1: formats and readers (after the MLDataForge paper's Table 1)", ""]
     if table is None:
@@ -336,8 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=20000, help="samples in the Table-1 dataset")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per benchmark script")
-    ap.add_argument("--skip", nargs="*", default=[], help="benchmark scripts not to run (reported as skipped)")
+    ap.add_argument("--skip", nargs="*", default=[],
+                    help="benchmark scripts not to run (reported as skipped)")
     ap.add_argument("--table-json", help="reuse this table1 JSON instead of running table1.py")
+    ap.add_argument("--reuse-data", action="store_true",
+                    help="let table1.py reuse datasets written by an earlier run (default: write them again)")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -347,9 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.table_json:
         os.makedirs(os.path.dirname(json_path), exist_ok=True)
         print(f"[report] table1 (n={args.n}) ...", flush=True)
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "table1.py"), "--n", str(args.n),
-                               "--json", json_path], cwd=REPO, text=True, stdout=subprocess.PIPE)
-        print(proc.stdout, flush=True)
+        cmd = [sys.executable, os.path.join(HERE, "table1.py"), "--n", str(args.n), "--json", json_path]
+        proc = subprocess.run(cmd + ([] if args.reuse_data else ["--rebuild"]), cwd=REPO, check=False)
         if proc.returncode != 0:
             table_note = f"table1.py exited with code {proc.returncode}"
     if not table_note:
@@ -367,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[report] {name}: {run.status} {run.reason}".rstrip(), flush=True)
         runs.append(run)
     command = "python benchmarks/report.py" + (f" --n {args.n}" if args.n != 20000 else "")
-    text = render(mach, table, table_note, runs, plots, plot_note, args.out, command, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    text = render(mach, table, table_note, runs, plots, plot_note, args.out, command, seconds)
     with open(args.out, "w") as f:
         f.write(text)
     print(f"[report] wrote {args.out}" + (f" and {len(plots)} plots" if plots else ""))

@@ -38,9 +38,9 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -273,7 +273,8 @@ class MldfJinx(Adapter):
 
 
 class TorchforgeMDS(Adapter):
-    """``torchforge.MDSDataset(folder)``; the key pass reads only the key's column."""
+    """``torchforge.MDSDataset(folder)``; the key pass is ``MDSDataset.keys(fn)``, which hands ``fn`` lazy
+    samples, so only the key's column is decoded."""
 
     modules = ("torchforge.datasets.mds",)
 
@@ -282,10 +283,8 @@ class TorchforgeMDS(Adapter):
         return torchforge.MDSDataset(folder)
 
     def keys(self) -> list:
-        import torchforge
         path = self.meta["key_path"]
-        ds = torchforge.MDSDataset(self.folder, columns=[path[0]])
-        return [key_of(s, path) for s in ds]
+        return list(self.ds.keys(lambda s: key_of(s, path)))
 
 
 class StreamingMDS(Adapter):
@@ -308,7 +307,8 @@ class StreamingMDS(Adapter):
 
     def open(self, folder: str) -> Any:
         from streaming import StreamingDataset
-        return StreamingDataset(local=folder, shuffle=False, batch_size=1, predownload=max(64, self.meta["n"]))
+        n = max(64, self.meta["n"])
+        return StreamingDataset(local=folder, shuffle=False, batch_size=1, predownload=n)
 
 
 class PatchedStreamingMDS(StreamingMDS):
@@ -317,8 +317,8 @@ class PatchedStreamingMDS(StreamingMDS):
     patched = True
 
 
-ADAPTERS: dict[str, type[Adapter]] = {c.__name__: c for c in (JsonlReader, TorchforgeJinx, MldfJinx, TorchforgeMDS,
-                                                              StreamingMDS, PatchedStreamingMDS)}
+_ALL = (JsonlReader, TorchforgeJinx, MldfJinx, TorchforgeMDS, StreamingMDS, PatchedStreamingMDS)
+ADAPTERS: dict[str, type[Adapter]] = {c.__name__: c for c in _ALL}
 
 
 # --- one measurement (runs in a child process) -------------------------------------------------------
@@ -379,7 +379,7 @@ def child_main(args: argparse.Namespace) -> int:
         meta = json.load(f)
     try:
         out = run_op(ADAPTERS[args.adapter], args.folder, meta, args.op)
-    except BaseException as e:  # reported by the parent, never dropped
+    except Exception as e:  # noqa: BLE001 reported by the parent, never dropped
         out = {"op": args.op, "error": f"{type(e).__name__}: {e}"[:500]}
     print("RESULT " + json.dumps(out), flush=True)
     return 0 if "error" not in out else 1
@@ -474,13 +474,15 @@ def _link_copy(src: str, dst: str, files: dict[str, int]) -> None:
 
 
 # --- the parent: build, measure every (row, op), render ----------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _python(env: str) -> tuple[str | None, str]:
     if env == "main":
         return (MAIN_PY if os.path.exists(MAIN_PY) else sys.executable), ""
-    if os.path.exists(MLDF_PY) and subprocess.run([MLDF_PY, "-c", "import mldataforge.jinx"],
-                                                  capture_output=True, timeout=120).returncode == 0:
-        return MLDF_PY, ""
+    if os.path.exists(MLDF_PY):
+        probe = subprocess.run([MLDF_PY, "-c", "import mldataforge.jinx"], capture_output=True, timeout=120,
+                               check=False)
+        if probe.returncode == 0:
+            return MLDF_PY, ""
     return None, ("MLDataForge needs Python >= 3.12: its venv .venv-mldf is missing or cannot import "
                   "mldataforge.jinx (build it with tests/interop/setup_mldataforge.sh)")
 
@@ -497,7 +499,8 @@ def measure(row: Row, op: str, workdir: str, meta: dict, timeout: float) -> dict
            "--adapter", row.adapter, "--op", op]
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONHASHSEED="0")
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO,
+                              check=False)
     except subprocess.TimeoutExpired:
         proc = None
     deleted = sorted(set(files) - set(_files(folder)))
@@ -515,24 +518,26 @@ def measure(row: Row, op: str, workdir: str, meta: dict, timeout: float) -> dict
     expected = meta["reference"][op]
     if "digest" in out and out["digest"] != expected:
         got_n, want_n = int(out["digest"].split(":")[1]), int(expected.split(":")[1])
-        out["error"] = (f"wrong data: {got_n} of {want_n} samples returned, no error raised" if got_n != want_n
-                        else f"wrong data: digest {out['digest']} != expected {expected}")
+        out["error"] = (f"wrong data: {got_n} of {want_n} samples returned, no error raised"
+                        if got_n != want_n else f"wrong data: digest {out['digest']} != expected {expected}")
     if deleted:
-        msg = f"the reader deleted {len(deleted)} of the dataset's {len(files)} files ({', '.join(deleted[:3])})"
+        msg = (f"the reader deleted {len(deleted)} of the dataset's {len(files)} files "
+               f"({', '.join(deleted[:3])})")
         out["error"] = f"{out['error']}; {msg}" if "error" in out else msg
     return out
 
 
-def load_or_build(workdir: str, n: int, seed: int) -> dict:
+def load_or_build(workdir: str, n: int, seed: int, rebuild: bool = False) -> dict:
+    """The datasets' meta.json, building them first when missing, for other (n, seed), or asked to."""
     path = os.path.join(workdir, "meta.json")
-    if os.path.exists(path):
+    if os.path.exists(path) and not rebuild:
         with open(path) as f:
             meta = json.load(f)
         if meta.get("n") == n and meta.get("seed") == seed:
             return meta
     proc = subprocess.run([MAIN_PY if os.path.exists(MAIN_PY) else sys.executable, os.path.abspath(__file__),
                            "--build", "--workdir", workdir, "--n", str(n), "--seed", str(seed)],
-                          env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
+                          env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"table1: building the datasets failed (exit {proc.returncode})")
     with open(path) as f:
@@ -540,9 +545,9 @@ def load_or_build(workdir: str, n: int, seed: int) -> dict:
 
 
 def run_table(n: int, seed: int, workdir: str, only: str | None = None, timeout: float = 600.0,
-              log: Callable[[str], None] = print) -> dict:
+              log: Callable[[str], None] = print, rebuild: bool = False) -> dict:
     """Build (or reuse) the datasets and measure every row; returns a JSON-able result."""
-    meta = load_or_build(workdir, n, seed)
+    meta = load_or_build(workdir, n, seed, rebuild)
     load_start = os.getloadavg()
     rows = []
     for row in ROWS:
@@ -618,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=os.path.join(REPO, "build", "bench-table1"))
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--only", help="only rows whose '<data>/<adapter>' contains this")
+    ap.add_argument("--rebuild", action="store_true", help="write the datasets again even if present")
     ap.add_argument("--timeout", type=float, help="seconds per measurement (default: 60 + n / 200)")
     ap.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -631,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
         build(args.workdir, args.n, args.seed)
         return 0
     timeout = args.timeout if args.timeout is not None else 60 + args.n / 200
-    result = run_table(args.n, args.seed, os.path.abspath(args.workdir), args.only, timeout)
+    result = run_table(args.n, args.seed, os.path.abspath(args.workdir), args.only, timeout,
+                       rebuild=args.rebuild)
     print(table_markdown(result))
     print(ratios_markdown(result))
     if args.json:

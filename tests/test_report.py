@@ -115,7 +115,8 @@ def test_ratios_are_torchforge_over_each_competitor():
     mldf = by[("JINX + sidecar none", "MLDataForge 0.6.10")]
     assert mldf["iterate"] == pytest.approx(2.0) and mldf["sort"] is None
     assert by[("JINX + sidecar none", "orjson (anchor) (JSONL)")]["shuffle"] == pytest.approx(4.0)
-    assert "| JINX + sidecar none | MLDataForge 0.6.10 | 2.00x | 2.00x | n/a |" in table1.ratios_markdown(table)
+    expected = "| JINX + sidecar none | MLDataForge 0.6.10 | 2.00x | 2.00x | n/a |"
+    assert expected in table1.ratios_markdown(table)
 
 
 def test_scripts_that_fail_or_are_missing_are_reported(tmp_path):
