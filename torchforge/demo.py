@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     ckpt = torchforge.Checkpointer(os.path.join(root, "ckpt"), keep_last=2)
     t0 = time.perf_counter()
     ckpt.save(step, model=model, optimizer=opt, extra={"step": step, "sampler": sampler.state_dict()})
-    print(f"[5] saved checkpoint step {step} in {time.perf_counter() - t0:.3f}s; verify: {ckpt.verify(step)}")
+    print(f"[5] saved checkpoint step {step} in {time.perf_counter() - t0:.3f}s")
+    ckpt.verify(step)  # raises CheckpointError naming the damaged file
+    print("    verified sizes and checksums")
     fresh = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(int(np.prod(IMAGE_SHAPE)), 32),
                                 torch.nn.ReLU(), torch.nn.Linear(32, 2))
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
