@@ -195,6 +195,18 @@ def test_damaged_header_and_state_are_checkpoint_errors(tmp_path):
     open(os.path.join(ck.path(2), "manifest.json"), "w").write("{")
     with pytest.raises(CheckpointError, match="manifest"):
         ck.verify(2)
+    ck.save(4, model=m)
+    mpath = os.path.join(ck.path(4), "manifest.json")
+    text = open(mpath).read().replace('"state.json"', '"../../state.json"')
+    open(mpath, "w").write(text)
+    with pytest.raises(CheckpointError, match="plain file names"):
+        ck.verify(4)
+    ck.save(3, model=m)
+    index = os.path.join(ck.path(3), "model.safetensors.index.json")
+    text = open(index).read().replace("model-00001-of-00001", "model-00009-of-00009")  # same size
+    open(index, "w").write(text)
+    with pytest.raises(CheckpointError, match="not in the manifest"):  # an index naming a file not there
+        ck.restore(3, model=_fresh()[0])
 
 
 def test_missing_step_and_mismatched_objects(tmp_path):
@@ -234,6 +246,8 @@ def test_background_failure_is_raised_by_wait(tmp_path, monkeypatch):
     ck.save(1, model=m, blocking=False)
     with pytest.raises(CheckpointError, match="No space"):
         ck.wait()
+    with pytest.raises(CheckpointError, match="nothing was committed"):
+        ck.save(2, model=m)
     assert ck.steps() == [] and os.listdir(tmp_path) == []  # the temporary folder is gone too
 
 

@@ -189,8 +189,11 @@ class Checkpointer:
                     self._discard(final)
                 os.rename(tmp, final)
                 fsync_dir(self.root)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise CheckpointError(f"writing step {step} failed, nothing was committed: {e}",
+                                      path=getattr(e, "filename", None) or tmp) from e
             raise
         for f in files:  # drop references to tensors and the arena
             f.views, f.parts = [], []
@@ -232,6 +235,10 @@ class Checkpointer:
                 m = json.loads(f.read())
             if m.get("format") != _FORMAT or not isinstance(m.get("files"), dict):
                 raise ValueError("not a torchforge checkpoint manifest")
+            for name, e in m["files"].items():
+                if "/" in name or "\\" in name or name.startswith(".") or not isinstance(e, dict) or not (
+                        isinstance(e.get("size"), int) and isinstance(e.get("crc32"), list)):
+                    raise ValueError(f"bad entry {name!r}: names must be plain file names with a size and crc32")
             return m
         except (OSError, ValueError) as e:
             raise CheckpointError(f"unreadable manifest: {e}", path=p) from None
@@ -278,21 +285,23 @@ class Checkpointer:
             if model is not None:
                 if "model" not in state:
                     raise CheckpointError(f"step {step} holds no model state", path=folder)
-                names, get = self._group(folder, "model")
+                names, get = self._group(folder, "model", files)
                 restore_model(model, get, names, state["model"]["aliases"], folder, self._copy)
             if optimizer is not None:
                 if "optimizer" not in state:
                     raise CheckpointError(f"step {step} holds no optimizer state", path=folder)
-                _, get = self._group(folder, "optimizer")
+                _, get = self._group(folder, "optimizer", files)
                 restore_optimizer(optimizer, decode(state["optimizer"], get), folder, self._copy)
             if "extra.safetensors.index.json" in files:
-                _, get = self._group(folder, "extra")
+                _, get = self._group(folder, "extra", files)
                 return decode(state["extra"], lambda k: get(k).to(map_location, copy=True))
             return decode(state["extra"], lambda k: _missing(k, folder))
         except TorchforgeError as e:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"step {step} is damaged: {e.reason}", path=e.path, offset=e.offset) from e
+        except OSError as e:
+            raise CheckpointError(f"step {step} cannot be read: {e.strerror}", path=e.filename or folder) from e
 
     def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         copy_tensors(pairs, self._pool)
@@ -305,13 +314,14 @@ class Checkpointer:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"unreadable {name}: {e}", path=p) from None
 
-    def _group(self, folder: str, group: str) -> tuple[list[str], Any]:
+    def _group(self, folder: str, group: str, listed: Any) -> tuple[list[str], Any]:
         index = self._json(folder, f"{group}.safetensors.index.json")
         wmap: dict[str, str] = index.get("weight_map", {})
         opened: dict[str, Any] = {}
         for fname in sorted(set(wmap.values())):
-            if "/" in fname or fname.startswith("."):
-                raise CheckpointError(f"index names a file outside the step folder: {fname!r}", path=folder)
+            if fname not in listed:
+                raise CheckpointError(f"index names {fname!r}, which is not in the manifest", path=os.path.join(
+                    folder, f"{group}.safetensors.index.json"))
             opened[fname] = load_safetensors(os.path.join(folder, fname))
         def get(name: str) -> torch.Tensor:
             fname = wmap.get(name)
