@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from torchforge._inspect import format_checks, format_details
 from torchforge.errors import TorchforgeError
 
 __all__ = ["main"]
@@ -88,10 +89,8 @@ def _dataset_info(path: str) -> dict[str, Any]:
         "files": len(files),
         "bytes": sum(os.path.getsize(f) for f in files),
     }
-    extra = getattr(ds, "info", None)
-    if callable(extra):
-        info.update(extra())
-    if len(ds) and "fields" not in info:
+    info.update(format_details(ds))
+    if len(ds):
         first = _materialize(ds[0])
         if isinstance(first, dict):
             info["fields"] = {k: _describe(v) for k, v in first.items()}
@@ -132,9 +131,7 @@ def verify_dataset(path: str) -> tuple[int, list[str]]:
     problems: list[str] = []
     try:
         ds = open_dataset(path)
-        own = getattr(ds, "verify", None)
-        if callable(own):
-            problems += [str(p) for p in (own() or [])]
+        problems += [str(p) for p in format_checks(ds)]
     except TorchforgeError as e:
         return 0, [str(e)]
     checked = 0

@@ -1,0 +1,185 @@
+"""The torchforge command line on good and damaged data."""
+import os
+import shutil
+import subprocess
+import sys
+
+import orjson
+import pytest
+
+from torchforge.cli import main
+from torchforge.datasets.base import open_dataset
+
+HERE = os.path.dirname(__file__)
+INTEROP = os.path.join(HERE, "fixtures", "interop")
+sys.path.insert(0, INTEROP)
+from expected import same  # noqa: E402
+
+
+@pytest.fixture
+def fixture_copy(tmp_path):
+    def copy(name):
+        dst = tmp_path / name
+        shutil.copytree(os.path.join(INTEROP, name), dst)
+        return str(dst)
+    return copy
+
+
+def _plain(sample):
+    m = getattr(sample, "materialize", None)
+    return m() if callable(m) else sample
+
+
+def _all(path):
+    return [_plain(s) for s in open_dataset(path)]
+
+
+def test_convert_mds_to_jinx_to_mds_preserves_every_sample(fixture_copy, tmp_path, capsys):
+    src = fixture_copy("mds-streaming-none")
+    jinx, back = str(tmp_path / "j"), str(tmp_path / "m")
+    assert main(["convert", src, jinx, "--to", "jinx", "-q", "-o", "encoding=b64", "-o", "binary_threshold=256"]) == 0
+    assert main(["convert", jinx, back, "--to", "mds", "-q", "-o", "compression=zstd"]) == 0
+    assert "wrote 200 samples" in capsys.readouterr().out
+    a, b, c = _all(src), _all(jinx), _all(back)
+    assert len(a) == len(b) == len(c) == 200
+    for x, y, z in zip(a, b, c):
+        assert same(x, y) == "" and same(x, z) == ""
+    # the column encodings survive the round trip where MDS has them
+    assert open_dataset(back).format_name == "mds"
+
+
+def test_convert_jinx_to_mds_refuses_up_front_naming_the_field(fixture_copy, tmp_path, capsys):
+    src = fixture_copy("jinx-b64-zst-binx")  # meta.nested.blob holds bytes
+    dst = str(tmp_path / "out")
+    assert main(["convert", src, dst, "--to", "mds", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "meta.nested.blob" in err and "bytes" in err
+    assert not os.path.exists(dst) or not os.listdir(dst)  # nothing written
+
+
+def test_convert_jsonl_skips_malformed_lines(tmp_path, capsys):
+    src = tmp_path / "rows.jsonl"
+    lines = [orjson.dumps({"id": i, "text": "x" * i}) for i in range(30)]
+    lines.insert(5, b'{"id": broken')
+    src.write_bytes(b"\n".join(lines) + b"\n")
+    dst = str(tmp_path / "out")
+    assert main(["convert", str(src), dst, "--to", "jinx", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "wrote 30 samples" in out and "skipped 1 malformed" in out and f"{src}:6" in out
+    assert [s["id"] for s in _all(dst)] == list(range(30))
+
+
+def test_convert_refuses_to_overwrite(tmp_path, fixture_copy, capsys):
+    src = fixture_copy("mds-streaming-none")
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep").write_text("mine")
+    assert main(["convert", src, str(dst), "--to", "jinx", "-q"]) == 2
+    assert (dst / "keep").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(INTEROP) if n.startswith(("jinx-", "mds-"))))
+def test_inspect_and_verify_good_fixtures(name, fixture_copy, capsys):
+    path = fixture_copy(name)
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    fmt = name.split("-")[0]
+    n = len(open_dataset(path))
+    assert f"format: {fmt}" in out and f"samples: {n}" in out and "fields:" in out
+    assert main(["verify", path]) == 0
+    assert f"{n} samples decoded, 0 problems" in capsys.readouterr().out
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_verify_names_file_and_offset_of_damage_jinx(fixture_copy, capsys):
+    path = fixture_copy("jinx-b64-zst-binx")
+    binx = os.path.join(path, "shard-00000.binx")
+    _flip(binx, 20)  # inside the first sidecar value: stored raw, so decoding succeeds...
+    shard = os.path.join(path, "shard-00000.jinx")
+    data = open(shard, "rb").read()
+    first_b64 = data.index(b'"arr.npy":"') + len(b'"arr.npy":"')
+    with open(shard, "r+b") as f:  # ...but a broken base64 value in the body is caught
+        f.seek(first_b64)
+        f.write(b"!")
+    assert main(["verify", path]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and "shard-00000.jinx" in out and "byte " in out
+
+
+def test_verify_truncated_jinx(fixture_copy, capsys):
+    path = fixture_copy("jinx-a85-zst-inline")
+    shard = os.path.join(path, "shard-00000.jinx")
+    os.truncate(shard, os.path.getsize(shard) - 40)
+    assert main(["verify", path]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and "shard-00000.jinx" in out
+
+
+def test_verify_mds_hash_mismatch(tmp_path, capsys):
+    from torchforge.formats.mds import MDSWriter
+
+    path = str(tmp_path / "hashed")
+    with MDSWriter(out=path, columns={"id": "int", "blob": "bytes"}, hashes=["md5", "sha1"]) as w:
+        for i in range(50):
+            w.write({"id": i, "blob": bytes([i]) * 100})
+    assert main(["verify", path]) == 0
+    capsys.readouterr()
+    shard = os.path.join(path, "shard.00000.mds")
+    _flip(shard, os.path.getsize(shard) - 10)  # inside a sample's bytes: only the hash can tell
+    assert main(["verify", path]) == 1
+    out = capsys.readouterr().out
+    assert "sha1 hash differs" in out and "shard.00000.mds" in out and "byte 0" in out
+
+
+def test_verify_mds_lying_index(fixture_copy, capsys):
+    path = fixture_copy("mds-streaming-none")
+    shard = os.path.join(path, "shard.00001.mds")
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    assert main(["verify", path]) == 1
+    assert "DAMAGED" in capsys.readouterr().out
+
+
+def test_bench_prints_rates(fixture_copy, capsys):
+    path = fixture_copy("jinx-b64-multishard")
+    assert main(["bench", path, "--field", "image", "--sort-key", "text"]) == 0
+    out = capsys.readouterr().out
+    for op in ("iterate", "shuffle", "sort"):
+        assert op in out
+    assert "samples/s" in out
+
+
+def _peak_rss_of_conversion(tmp_path, n_lines, tag):
+    src = tmp_path / f"{tag}.jsonl"
+    payload = os.urandom(600).hex()  # ~1.2 KB of incompressible text per line
+    line = orjson.dumps({"id": 0, "text": payload, "meta": {"k": [1, 2, 3]}})
+    with open(src, "wb") as f:
+        chunk = (line + b"\n") * 1000
+        for _ in range(n_lines // 1000):
+            f.write(chunk)
+    code = ("import resource, sys; from torchforge.cli import main; "
+            "rc = main(sys.argv[1:]); "
+            "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code, "convert", str(src), str(tmp_path / f"{tag}-out"),
+                          "--to", "jinx", "-q", "-o", "compression=none"],
+                         capture_output=True, text=True, check=True).stdout
+    shutil.rmtree(tmp_path / f"{tag}-out")
+    size = os.path.getsize(src)
+    os.remove(src)
+    return size, int(out.split("RSS")[1].split()[0]) * 1024
+
+
+@pytest.mark.slow
+def test_conversion_of_a_gigabyte_has_bounded_memory(tmp_path):
+    small_size, small_rss = _peak_rss_of_conversion(tmp_path, 50_000, "small")
+    big_size, big_rss = _peak_rss_of_conversion(tmp_path, 850_000, "big")
+    assert big_size > 1_000_000_000
+    # 17x the input: peak memory may not grow by more than a fixed 64 MiB (buffers, shard index)
+    assert big_rss - small_rss < 64 << 20, (small_rss, big_rss)
+    print(f'peak RSS {small_rss >> 20} MiB for {small_size >> 20} MiB, {big_rss >> 20} MiB for {big_size >> 20} MiB')
