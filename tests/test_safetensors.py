@@ -310,3 +310,98 @@ def test_lying_header_length_does_not_read_outside(tmp_path):
     with pytest.raises(SafetensorsError, match="past the end"):
         load_safetensors(p)
     assert os.path.getsize(p) == len(GOOD)
+
+
+_json_scalar = hs.one_of(hs.none(), hs.booleans(), hs.integers(-3, 2**64 + 1), hs.floats(allow_nan=False),
+                         hs.text(max_size=3))
+_dtype_value = hs.one_of(hs.sampled_from(list(DTYPES)), hs.sampled_from(["f32", "F31", "", "BF16 "]), _json_scalar,
+                         hs.fixed_dictionaries({"F32": hs.one_of(hs.none(), hs.integers(0, 1))}))
+_dim = hs.one_of(hs.integers(0, 5), hs.sampled_from([-1, 1.0, True, None, "2", 2**63, 2**64 - 1, 2**64]))
+_entry = hs.one_of(
+    hs.fixed_dictionaries({"dtype": _dtype_value, "shape": hs.lists(_dim, max_size=3),
+                           "data_offsets": hs.lists(hs.integers(-1, 40), min_size=1, max_size=3)},
+                          optional={"extra": _json_scalar}),
+    hs.tuples(_dtype_value, hs.lists(_dim, max_size=2), hs.lists(hs.integers(0, 40), min_size=2, max_size=2)).map(list),
+    _json_scalar)
+_metadata = hs.one_of(hs.none(), hs.dictionaries(hs.text(max_size=3), hs.one_of(hs.text(max_size=3), _json_scalar),
+                                                 max_size=2), _json_scalar)
+
+
+@settings(max_examples=400, deadline=None)
+@given(hs.dictionaries(hs.sampled_from(["a", "b", "c", "a.offsets"]), _entry, max_size=3),
+       hs.one_of(hs.just(()), hs.tuples(_metadata)), hs.one_of(hs.none(), hs.integers(-2, 48)))
+def test_structured_headers_same_verdict_as_official(entries, meta, data_len):
+    header = dict(entries)
+    if meta:
+        header["__metadata__"] = meta[0]
+    if data_len is None:  # the length the offsets claim, so that valid headers occur often
+        ends = [e["data_offsets"][-1] if isinstance(e, dict) else e[2][-1] if isinstance(e, list) else 0
+                for e in entries.values()]
+        data_len = max([0] + [x for x in ends if isinstance(x, int)])
+    hb = json.dumps(header).encode()
+    raw = struct.pack("<Q", len(hb)) + hb + b"\0" * max(0, data_len)
+    ours = _ours_accepts(raw)
+    assert ours == _official_accepts(raw), raw
+    ACCEPTED_COUNT[ours] += 1
+
+
+ACCEPTED_COUNT = {True: 0, False: 0}
+
+
+def test_structured_fuzz_reached_both_verdicts():
+    # runs after the property test in file order: it must have produced valid and invalid files
+    if sum(ACCEPTED_COUNT.values()):
+        assert ACCEPTED_COUNT[True] > 0 and ACCEPTED_COUNT[False] > 0, ACCEPTED_COUNT
+
+
+@hs.composite
+def _valid_then_lie(draw):
+    names = draw(hs.lists(hs.text("abc.", min_size=1, max_size=4), min_size=1, max_size=4, unique=True))
+    header, pos = {}, 0
+    for name in names:
+        code = draw(hs.sampled_from(list(DTYPES)))
+        shape = draw(hs.lists(hs.integers(0, 4), max_size=3))
+        n = 1
+        for d in shape:
+            n *= d
+        if n * DTYPES[code][0] % 8:  # sub-byte dtypes (F4, F6) need whole bytes: 4 values always are
+            shape, n = [4], 4
+        size = n * DTYPES[code][0] // 8
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [pos, pos + size]}
+        pos += size
+    data_len = pos
+    lie = draw(hs.sampled_from(["none", "offset", "dtype", "shape", "length", "meta"]))
+    victim = header[draw(hs.sampled_from(names))]
+    delta = draw(hs.sampled_from([-2, -1, 1, 2]))
+    if lie == "offset":
+        i = draw(hs.integers(0, 1))
+        victim["data_offsets"][i] = max(0, victim["data_offsets"][i] + delta)
+    elif lie == "dtype":
+        victim["dtype"] = draw(hs.sampled_from(list(DTYPES)))
+    elif lie == "shape":
+        victim["shape"] = victim["shape"] + [2] if delta > 0 else victim["shape"][:-1]
+    elif lie == "length":
+        data_len += delta
+    elif lie == "meta":
+        header["__metadata__"] = draw(hs.one_of(hs.dictionaries(hs.text(max_size=2), hs.text(max_size=2)),
+                                                hs.dictionaries(hs.text(max_size=2), hs.integers(), min_size=1)))
+    return header, max(0, data_len)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_valid_then_lie())
+def test_valid_files_with_one_lie_same_verdict_as_official(case):
+    header, data_len = case
+    hb = json.dumps(header, ensure_ascii=False).encode()
+    raw = struct.pack("<Q", len(hb)) + hb + bytes(range(256)) * (data_len // 256) + bytes(data_len % 256)
+    ours = _ours_accepts(raw)
+    assert ours == _official_accepts(raw), raw
+    LIE_COUNT[ours] += 1
+
+
+LIE_COUNT = {True: 0, False: 0}
+
+
+def test_lie_fuzz_reached_both_verdicts():
+    if sum(LIE_COUNT.values()):
+        assert LIE_COUNT[True] > 20 and LIE_COUNT[False] > 20, LIE_COUNT
