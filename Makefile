@@ -17,10 +17,13 @@ $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q -r requirements-dev.txt -e '.[test]'
 	touch $@
 
-# Optional interop tools (MosaicML Streaming). Failure to install is not fatal: the interop tests skip.
+# Optional interop tools: MosaicML Streaming in the venv, MLDataForge in its own Python 3.12 venv
+# (.venv-mldf). Failure to install is not fatal: the interop tests then skip with the reason.
 $(VENV)/.interop: $(VENV)/.test
 	-$(PIP) install -q -r requirements-dev.txt 'mosaicml-streaming==0.13.0' 'huggingface-hub<1.0' \
 		|| echo "mosaicml-streaming could not be installed: its interop tests will skip"
+	-timeout 600 bash tests/interop/setup_mldataforge.sh \
+		|| echo "MLDataForge's venv could not be built: its interop tests will skip"
 	touch $@
 
 interop: $(VENV)/.interop
@@ -32,7 +35,8 @@ test: $(VENV)/.interop
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.interop
-	$(PY) benchmarks/run_all.py
+	$(PIP) install -q -r requirements-dev.txt -e '.[plots]'
+	$(PY) benchmarks/report.py
 
 lint: $(VENV)/.test
 	$(PIP) install -q ruff
