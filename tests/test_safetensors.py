@@ -405,3 +405,13 @@ LIE_COUNT = {True: 0, False: 0}
 def test_lie_fuzz_reached_both_verdicts():
     if sum(LIE_COUNT.values()):
         assert LIE_COUNT[True] > 20 and LIE_COUNT[False] > 20, LIE_COUNT
+
+
+def test_file_pickles_by_path(tmp_path):
+    import pickle
+
+    p = tmp_path / "p.safetensors"
+    save_safetensors({"x": torch.arange(1000)}, p)
+    f = load_safetensors(p)
+    blob = pickle.dumps(f)
+    assert len(blob) < 1000 and torch.equal(pickle.loads(blob)["x"], torch.arange(1000))

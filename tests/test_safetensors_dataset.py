@@ -147,3 +147,16 @@ def test_ragged_round_trip_property(tmp_path_factory, rows, per_shard):
             w.write({"v": torch.tensor(r, dtype=torch.int32)})
     ds = SafetensorsDataset(out)
     assert [ds[i]["v"].tolist() for i in range(len(ds))] == rows
+
+
+def test_pickles_by_path_for_worker_processes(tmp_path):
+    import pickle
+
+    with SafetensorsShardWriter(tmp_path, samples_per_shard=4) as w:
+        for s in _samples(9):
+            w.write(s)
+    ds = SafetensorsDataset(tmp_path)
+    ds[0], ds[8]  # maps two shards
+    blob = pickle.dumps(ds)
+    assert len(blob) < 10_000  # no tensor data travels, only paths and the index
+    _check(pickle.loads(blob), _samples(9))

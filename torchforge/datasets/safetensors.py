@@ -113,6 +113,10 @@ class SafetensorsDataset(ShardDataset):
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Worker processes re-map the shards themselves: the open mmaps are not sent along.
+        return {**self.__dict__, "_open": {}}
+
     def shard_files(self) -> list[str]:
         return list(self._files)
 

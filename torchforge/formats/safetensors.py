@@ -372,11 +372,19 @@ class SafetensorsFile(Mapping):
     def __iter__(self) -> Iterator[str]:
         return iter(self.infos)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Sent to another process by path: the receiver maps the file itself.
+        return (_reopen, (self.path, isinstance(self._buf, mmap.mmap)))
+
     def __len__(self) -> int:
         return len(self.infos)
 
     def __repr__(self) -> str:
         return f"SafetensorsFile({self.path!r}, {len(self)} tensors)"
+
+
+def _reopen(path: str, lazy: bool) -> SafetensorsFile:
+    return SafetensorsFile(path, lazy=lazy)
 
 
 def _aligned(offset: int, dtype: torch.dtype) -> bool:
