@@ -41,7 +41,9 @@ REPO = table1.REPO
 # The head-to-head benchmarks the issues ask for; any other benchmarks/*.py script is run too.
 EXPECTED = ("jinx_vs_mldataforge", "mds_vs_streaming", "sampler", "loader", "transport", "checkpoint")
 NOT_BENCHMARKS = {"report", "table1"}
-RATIO_RE = re.compile(r"(\d[\d,]*\.?\d*\s*[x×](?![a-zA-Z0-9])|ratio|speed-?up|faster|slower)", re.IGNORECASE)
+RATIO_RE = re.compile(r"(\d[\d,]*\.?\d*\s*[x×](?![a-zA-Z0-9])"  # 3.5x
+                      r"|(?<![a-zA-Z0-9])[x×]\d"  # x0.69
+                      r"|ratio|speed-?up|faster|slower)", re.IGNORECASE)
 MAX_OUTPUT_LINES = 200
 
 
@@ -88,7 +90,9 @@ def machine() -> dict[str, str]:
                     if line.startswith("MemTotal:")), 0)
     mldf_py = table1.MLDF_PY if os.path.exists(table1.MLDF_PY) else None
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False)
+                            text=True, check=False).stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, check=False).stdout.strip()
     return {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "CPU": cpu,
@@ -105,7 +109,7 @@ def machine() -> dict[str, str]:
         "mosaicml-streaming": _version("mosaicml-streaming"),
         "mldataforge": (f"{_version('mldataforge', mldf_py)} (Python {_version_of_python(mldf_py)}, "
                         ".venv-mldf)" if mldf_py else "not installed (.venv-mldf missing)"),
-        "torchforge commit": commit.stdout.strip() or "unknown",
+        "torchforge commit": commit + (" (with uncommitted changes in the working tree)" if dirty else ""),
     }
 
 
@@ -243,8 +247,8 @@ CPU cost, not the disk.
 
 "Fully decoded": every field becomes a Python value (text `str`, image bytes-like, zero-copy views allowed)
 and is consumed by one digest (keys, texts, numbers, length and one byte of every 4 KiB page of binary
-values, so that mapped pages are really read). Each operation's digest is compared with the digest of the
-generated samples: a reader returning other data is a failure, with the reason in the notes.
+values, so that mapped pages are really read){ceiling}. Each operation's digest is compared with the digest
+of the generated samples: a reader returning other data is a failure, with the reason in the notes.
 Readers: JSONL with `orjson.loads` per line and `base64.b64decode` of the image; random access through a
 line-offset index built (and timed) from 16 MiB sequential reads, then one `os.pread` per sample.
 torchforge: `JinxDataset(folder)` (lazy samples) and `MDSDataset(folder)`. MLDataForge 0.6.10 (Python 3.12
@@ -312,10 +316,14 @@ def render(mach: dict[str, str], table: dict | None, table_note: str, runs: list
         md += [f"**Not produced**: {table_note}", ""]
     else:
         key = ".".join(str(p) for p in table["key_path"])
+        rate = table.get("digest_rate")
+        ceiling = (f"; the digest alone, over the samples in memory, runs at {rate:,.0f} samples/s, the "
+                   "ceiling of every row" if rate else "")
         load = table.get("loadavg")
         busy = (f" Load average (1 min) {load['start'][0]:.2f} when the measurements started, "
                 f"{load['end'][0]:.2f} when they ended, on {os.cpu_count()} cores." if load else "")
-        md += [f"n = {table['n']:,} samples, seed {table['seed']}.{busy}", "", METHOD.format(key=key), "",
+        md += [f"n = {table['n']:,} samples, seed {table['seed']}.{busy}", "",
+               METHOD.format(key=key, ceiling=ceiling), "",
                table1.table_markdown(table), "", "### torchforge's speed-up (samples/s ratio, same run)", "",
                table1.ratios_markdown(table), "", "### RSS after imports", "", _baseline_table(table), ""]
         md += ["### Throughput against peak RSS (like the paper's Figures 2, 4 and 5)", ""]

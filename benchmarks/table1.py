@@ -41,6 +41,7 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+from zlib import crc32
 
 import numpy as np
 
@@ -97,30 +98,35 @@ MDS_OPTS = {"mds-none": None, "mds-zstd": "zstd", "mds-sample-zstd": "sample::zs
 
 # --- what every reader must produce ------------------------------------------------------------------
 def _walk(v: Any, h: int) -> int:
-    if isinstance(v, Mapping):
+    t = type(v)
+    if t is str:  # exact-type checks first: this runs for every value of every sample
+        return crc32(v.encode(), crc32(b"s", h))
+    if t is dict or (t is not list and isinstance(v, Mapping)):
         for k in sorted(v):
-            h = _walk(v[k], zlib.crc32(k.encode(), h))
+            h = _walk(v[k], crc32(k.encode(), h))
         return h
-    if isinstance(v, str):
-        return zlib.crc32(v.encode(), zlib.crc32(b"s", h))
-    if isinstance(v, (bytes, bytearray, memoryview, np.ndarray)):
-        mv = memoryview(v)
-        if mv.ndim != 1 or mv.format != "B":
-            mv = memoryview(np.ascontiguousarray(v)).cast("B")
-        return zlib.crc32(mv[::PAGE].tobytes(), zlib.crc32(b"b%d" % mv.nbytes, h))
-    if isinstance(v, (list, tuple)):
-        h = zlib.crc32(b"l%d" % len(v), h)
+    if t is list or t is tuple:
+        h = crc32(b"l%d" % len(v), h)
         for x in v:
             h = _walk(x, h)
         return h
-    if isinstance(v, (bool, np.bool_)):
-        return zlib.crc32(b"T" if v else b"F", h)
+    if t is bytes or t is memoryview or t is bytearray or t is np.ndarray:
+        mv = memoryview(v)
+        if mv.ndim != 1 or mv.format != "B":
+            mv = memoryview(np.ascontiguousarray(v)).cast("B")
+        return crc32(mv[::PAGE].tobytes(), crc32(b"b%d" % mv.nbytes, h))
+    if t is bool or t is np.bool_:
+        return crc32(b"T" if v else b"F", h)
     if isinstance(v, (int, np.integer)):
-        return zlib.crc32(b"i%d" % int(v), h)
+        return crc32(b"i%d" % int(v), h)
     if isinstance(v, (float, np.floating)):
-        return zlib.crc32(repr(float(v)).encode(), h)
+        return crc32(repr(float(v)).encode(), h)
     if v is None:
-        return zlib.crc32(b"N", h)
+        return crc32(b"N", h)
+    if isinstance(v, str):
+        return _walk(str(v), h)
+    if isinstance(v, (bytes, bytearray)):
+        return _walk(bytes(v), h)
     raise TypeError(f"digest: unexpected value type {type(v).__name__}")
 
 
@@ -396,7 +402,9 @@ def _files(folder: str) -> dict[str, int]:
 
 
 def _reference(samples: list[dict], meta: dict) -> dict[str, str]:
+    t0 = time.perf_counter()
     digests = [digest(s) for s in samples]
+    meta["digest_rate"] = len(samples) / (time.perf_counter() - t0)
     n, seed, path = meta["n"], meta["seed"], meta["key_path"]
     order = np.argsort(np.array([key_of(s, path) for s in samples]), kind="stable")
     perm = np.random.default_rng(seed).permutation(n)
@@ -562,6 +570,7 @@ def run_table(n: int, seed: int, workdir: str, only: str | None = None, timeout:
                  else f"FAILED: {r['error']}"))
         rows.append({**asdict(row), "storage": meta["storage"][row.data], "results": results})
     return {"n": n, "seed": seed, "key_path": meta["key_path"], "build_seconds": meta["build_seconds"],
+            "digest_rate": meta.get("digest_rate"),
             "loadavg": {"start": load_start, "end": os.getloadavg()}, "rows": rows}
 
 

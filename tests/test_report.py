@@ -9,6 +9,7 @@ import importlib.util
 import os
 import sys
 
+import numpy as np
 import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -60,6 +61,14 @@ def test_digest_sees_a_changed_byte_and_ignores_key_order():
     assert table1.digest({**s, "image": bytes(img)}) != table1.digest(s)
     assert table1.digest({**s, "image": bytes(9999)}) != table1.digest(s)
     assert table1.digest({**s, "id": 2}) != table1.digest(s)
+    assert table1.digest({**s, "id": np.int64(1)}) == table1.digest(s)
+    nested = {**s, "messages": [{"role": np.str_("user"), "content": "hi"}]}
+    assert table1.digest(nested) == table1.digest(s)
+
+
+def test_ratio_lines_pick_out_ratios():
+    out = "header\niterate  5.0x\nn=10  time x0.69, peak\nspeed-up 3\nbox 3 items\n"
+    assert report.ratio_lines(out) == ["iterate  5.0x", "n=10  time x0.69, peak", "speed-up 3"]
 
 
 def test_measure_in_a_child_gives_a_result_per_op_and_reasons_for_failures(meta, monkeypatch):
