@@ -322,7 +322,8 @@ def render(mach: dict[str, str], table: dict | None, table_note: str, runs: list
         load = table.get("loadavg")
         busy = (f" Load average (1 min) {load['start'][0]:.2f} when the measurements started, "
                 f"{load['end'][0]:.2f} when they ended, on {os.cpu_count()} cores." if load else "")
-        md += [f"n = {table['n']:,} samples, seed {table['seed']}.{busy}", "",
+        best = f" Each figure is the best of {table['repeat']} runs." if table.get("repeat", 1) > 1 else ""
+        md += [f"n = {table['n']:,} samples, seed {table['seed']}.{best}{busy}", "",
                METHOD.format(key=key, ceiling=ceiling), "",
                table1.table_markdown(table), "", "### torchforge's speed-up (samples/s ratio, same run)", "",
                table1.ratios_markdown(table), "", "### RSS after imports", "", _baseline_table(table), ""]
@@ -344,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=20000, help="samples in the Table-1 dataset")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per benchmark script")
+    ap.add_argument("--repeat", type=int, default=2, help="table1: runs per measurement (the best is kept)")
     ap.add_argument("--skip", nargs="*", default=[],
                     help="benchmark scripts not to run (reported as skipped)")
     ap.add_argument("--table-json", help="reuse this table1 JSON instead of running table1.py")
@@ -358,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.table_json:
         os.makedirs(os.path.dirname(json_path), exist_ok=True)
         print(f"[report] table1 (n={args.n}) ...", flush=True)
-        cmd = [sys.executable, os.path.join(HERE, "table1.py"), "--n", str(args.n), "--json", json_path]
+        cmd = [sys.executable, os.path.join(HERE, "table1.py"), "--n", str(args.n), "--json", json_path,
+               "--repeat", str(args.repeat)]
         proc = subprocess.run(cmd + ([] if args.reuse_data else ["--rebuild"]), cwd=REPO, check=False)
         if proc.returncode != 0:
             table_note = f"table1.py exited with code {proc.returncode}"
