@@ -149,15 +149,28 @@ def test_num_workers_zero_gives_the_same_batches(no_leaks):
     assert sorted(i for x in a for i in x["id"].tolist()) != list(range(48))  # shuffled, dropped 2
 
 
-def test_held_batch_is_never_overwritten(no_leaks):
+def test_held_batch_is_never_overwritten_and_slabs_are_recycled(no_leaks):
     loader = DataLoader(Samples(400), 8, num_workers=2, prefetch=2)
     it = iter(loader)
     first = next(it)
     snapshot = first["image"]["data"].clone()
-    rest = [b["id"].tolist() for b in it]
+    rest, pool_sizes = [], []
+    for b in it:
+        rest.append(b["id"].tolist())
+        if it._pool is not None and len(it._pool):
+            pool_sizes.append(len(it._pool))
     assert torch.equal(first["image"]["data"], snapshot) and first["id"].tolist() == list(range(8))
-    assert len(rest) == 49
-    assert len(it._pool._slabs) <= loader.prefetch + 3 if it._pool._slabs else True  # slabs were recycled
+    assert rest == _expected(list(range(8, 400)), 8)
+    # 49 batches went through, but only prefetch + the held batch + the current one need slabs at a time
+    assert pool_sizes and max(pool_sizes) <= loader.prefetch + 2
+
+
+def test_default_sampler_is_the_global_sampler(no_leaks):
+    from torchforge.sampler import GlobalSampler
+
+    order = list(GlobalSampler(45, shuffle=True, seed=9))
+    assert _ids(DataLoader(Samples(45), 7, shuffle=True, seed=9, num_workers=2)) == _expected(order, 7)
+    assert _ids(DataLoader(Samples(45), 7, num_workers=0)) == _expected(list(range(45)), 7)
 
 
 @pytest.mark.parametrize("how", ["kill", "segv"])

@@ -9,7 +9,8 @@ Rules, field by field (a sample may be a mapping, a tuple/list of fields, or a s
 - tensors or arrays of equal shape and dtype -> stacked into one tensor of shape ``(B, *shape)``;
 - bytes-like values (bytes, bytearray, memoryview) -> ``{"data": uint8 (B, max_len) zero-padded,
   "lengths": int64 (B,)}``;
-- anything else (str, None, lists such as chat messages, ragged arrays) -> a list, one item per sample.
+- anything else (str, None, lists such as chat messages, ragged arrays) -> a list, one item per sample;
+  lazy mappings in it (a lazy dataset's nested records) become plain dicts, memoryviews bytes.
 
 Every tensor is allocated from the arena (the shared-memory slab in a worker, the heap in-process), so
 the transport sends it by reference: the only copy is the one from the sample into the batch.
@@ -25,6 +26,7 @@ import torch
 __all__ = ["default_collate"]
 
 _BYTES_LIKE = (bytes, bytearray, memoryview)
+_SCALARS = frozenset({str, int, float, bool, type(None), bytes})
 
 
 def default_collate(samples: list, arena: Any) -> Any:
@@ -76,7 +78,23 @@ def _field(vals: list, arena: Any) -> Any:
                 return stacked
     if all(isinstance(v, _BYTES_LIKE) for v in vals):
         return _pad_bytes(vals, arena)
-    return list(vals)
+    return [v if type(v) in _SCALARS else _plain(v) for v in vals]
+
+
+def _plain(v: Any) -> Any:
+    """Lazy mappings (at any depth in lists and dicts) as plain dicts, memoryviews as bytes: the batch is
+    the same plain data with or without workers."""
+    t = type(v)
+    if t in _SCALARS:
+        return v
+    if t is list or t is tuple:
+        out = [x if type(x) in _SCALARS else _plain(x) for x in v]
+        return out if t is list else tuple(out)
+    if isinstance(v, Mapping):
+        return {k: x if type(x) in _SCALARS else _plain(x) for k, x in v.items()}
+    if t is memoryview:
+        return v.tobytes()
+    return v
 
 
 def _numbers(vals: list, dtype: Any, arena: Any) -> Any:
@@ -110,9 +128,15 @@ def _pad_bytes(vals: list, arena: Any) -> dict[str, torch.Tensor]:
     views = [memoryview(v).cast("B") if isinstance(v, memoryview) else v for v in vals]
     lengths = _numbers(list(map(len, views)), np.int64, arena)
     width = int(lengths.max()) if len(views) else 0
-    data = arena.alloc(len(views) * width).reshape(len(views), width)
-    for row, v in zip(data, views):
-        n = len(v)
-        row[:n] = np.frombuffer(v, dtype=np.uint8)
-        row[n:] = 0  # slabs are recycled: padding must be cleared
-    return {"data": torch.from_numpy(data), "lengths": lengths}
+    data = arena.alloc(len(views) * width)
+    flat = memoryview(data)  # slice assignment on a memoryview is a bare memcpy: cheaper than numpy's
+    zeros = memoryview(bytes(width))
+    for i, v in enumerate(views):
+        start, n = i * width, len(v)
+        flat[start:start + n] = v
+        if n < width:
+            flat[start + n:start + width] = zeros[:width - n]  # slabs are recycled: clear the padding
+    del flat
+    return {"data": torch.from_numpy(data.reshape(len(views), width)), "lengths": lengths}
+
+

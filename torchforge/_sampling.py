@@ -8,36 +8,15 @@ from typing import Any
 
 import numpy as np
 
+from torchforge.sampler import GlobalSampler
+
 __all__ = ["batches", "default_sampler"]
 
 
-class _RangeSampler:
-    """Index order or a seeded per-epoch permutation; the fallback when ``torchforge.sampler`` is absent."""
-
-    def __init__(self, n: int, *, shuffle: bool, seed: int):
-        self.n, self.shuffle, self.seed, self.epoch = int(n), bool(shuffle), int(seed), 0
-        self._perm: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return self.n
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch, self._perm = int(epoch), None
-
-    def indices(self, start: int, stop: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(start, stop, dtype=np.int64)
-        if self._perm is None:
-            self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
-        return self._perm[start:stop]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices(0, self.n).tolist())
-
-
-def default_sampler(dataset: Any, *, shuffle: bool, seed: int) -> Any:
-    """The sampler a loader uses when none is given (in index order unless ``shuffle``)."""
-    return _RangeSampler(len(dataset), shuffle=shuffle, seed=seed)
+def default_sampler(dataset: Any, *, shuffle: bool, seed: int) -> GlobalSampler:
+    """The sampler a loader uses when none is given: a :class:`GlobalSampler` over ``len(dataset)``
+    (index order unless ``shuffle``; under torch.distributed, this rank's share of the global order)."""
+    return GlobalSampler(len(dataset), shuffle=shuffle, seed=seed)
 
 
 def batches(sampler: Iterable[int], batch_size: int, drop_last: bool, start: int) -> Iterator[tuple[int, list[int]]]:

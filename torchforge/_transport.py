@@ -13,8 +13,9 @@ structured dtypes) and torch tensors (CPU; other devices are copied to CPU, auto
 Anything else raises TypeError: return plain data from datasets and collate functions.
 
 Homogeneous lists take fast paths that run at C speed: lists of str/int/float/bool/None go into the
-header as one JSON array; lists of bytes as one blob plus lengths; lists of sets/tuples/lists (the
-dict-of-small-sets case) as lengths plus one flattened list.
+header as one JSON array, and so do dicts and lists of dicts whose keys are str and values such scalars
+(records like chat messages); lists of bytes go as one blob plus lengths; lists of sets/tuples/lists
+(the dict-of-small-sets case) as lengths plus one flattened list.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ __all__ = ["decode", "encode"]
 
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 _CONTAINER_TAGS = {set: "e", frozenset: "z", tuple: "u", list: "l"}
+_STR = frozenset({str})
+_JSON_SCALARS = frozenset({str, int, float, bool, type(None)})
 _TAG_CONTAINERS = {v: k for k, v in _CONTAINER_TAGS.items()}
 
 
@@ -132,7 +135,20 @@ def _place(ptr: int, nbytes: int, src_u8: Any, arena: Arena | HeapArena) -> int:
 
 
 def _enc_dict(d: Mapping, arena: Arena | HeapArena) -> list:
+    if type(d) is not dict:
+        d = dict(d)  # any Mapping (a lazy sample, for instance) travels as a dict
+    if _json_record(d):
+        return ["D", d]
     return ["d", _seq(list(d.keys()), arena), _seq(list(d.values()), arena)]
+
+
+def _json_record(d: dict) -> bool:
+    """True if orjson round-trips ``d`` exactly: str keys and None/bool/str/int64/finite float values."""
+    if not set(map(type, d)) <= _STR or not (vt := set(map(type, d.values()))) <= _JSON_SCALARS:
+        return False
+    if int in vt and not all(_I64_MIN <= v <= _I64_MAX for v in d.values() if type(v) is int):
+        return False
+    return float not in vt or all(math.isfinite(v) for v in d.values() if type(v) is float)
 
 
 def _container(tag: str):
@@ -166,6 +182,10 @@ def _seq(items: list, arena: Arena | HeapArena) -> list:
         if t in _CONTAINER_TAGS:  # iterating a set twice visits its items in the same order
             flat = list(itertools.chain.from_iterable(items))
             return ["Lc", _CONTAINER_TAGS[t], list(map(len, items)), _seq(flat, arena)]
+        if t is dict and all(map(_json_record, items)):  # records such as chat messages: one JSON array
+            return ["Lj", items]
+        if t is not dict and issubclass(t, Mapping):
+            return _seq([dict(x) for x in items], arena)
     return ["L", [_enc(x, arena) for x in items]]
 
 
@@ -236,7 +256,7 @@ def _dec_tensor(node: list, base: np.ndarray) -> torch.Tensor:
 
 def _dec_seq(node: list, base: np.ndarray) -> list:
     tag = node[0]
-    if tag in ("Ls", "Li", "Lf", "Lb"):
+    if tag in ("Ls", "Li", "Lf", "Lb", "Lj"):
         return node[1]
     if tag == "0":
         return []
@@ -285,6 +305,7 @@ _DECODERS = {
     "g": lambda n, b: _dec_array(n[1], b)[()],
     "t": _dec_tensor,
     "d": lambda n, b: dict(zip(_dec_seq(n[1], b), _dec_seq(n[2], b))),
+    "D": lambda n, b: n[1],
     "l": _dec_container(list),
     "u": _dec_container(tuple),
     "e": _dec_container(set),

@@ -66,7 +66,9 @@ class DataLoader:
             of its batch, counts it in :attr:`skipped` and logs it.
         max_retries: times one batch may be re-issued after its worker died before the loader raises.
         multiprocessing_context: ``"fork"``, ``"spawn"`` or ``"forkserver"``; default fork on Linux while
-            CUDA is not initialised (fast start), spawn otherwise.
+            CUDA is not initialised (workers start in milliseconds and inherit the dataset's open memory
+            maps), spawn otherwise (the dataset is pickled). Fork copies only the calling thread: if the
+            program runs threads that may hold locks at that moment, choose spawn or forkserver.
 
     Raises:
         ValueError: an argument is out of range (the message lists the allowed values).
