@@ -327,3 +327,37 @@ def test_cuda_model_non_blocking_save_and_restore(tmp_path):
     ck.restore(1, model=fresh, optimizer=fresh_opt)
     assert _bitwise_equal(before, {k: v.cpu() for k, v in fresh.state_dict().items()})
     assert all(s["exp_avg"].is_cuda for s in fresh_opt.state.values())
+
+
+def test_block_digest_streaming_and_what_it_detects():
+    import random
+
+    from torchforge._ckpt_io import PAGE, BlockDigest
+
+    rng = random.Random(0)
+    data = bytes(rng.getrandbits(8) for _ in range(3 * PAGE + 123))
+
+    def digest(*parts: bytes) -> str:
+        d = BlockDigest()
+        for p in parts:
+            d.update(memoryview(p))
+        return d.hexdigest()
+
+    whole = digest(data)
+    for cuts in ([1], [PAGE - 1, PAGE + 5], [7, 8, 9, 3 * PAGE], [3 * PAGE + 122]):  # any split, same digest
+        bounds = [0, *cuts, len(data)]
+        assert digest(*[data[a:b] for a, b in zip(bounds, bounds[1:])]) == whole
+    damaged = []
+    flipped = bytearray(data)
+    flipped[PAGE + 17] ^= 0x04
+    damaged.append(bytes(flipped))
+    zeroed = bytearray(data)
+    zeroed[PAGE: 2 * PAGE] = bytes(PAGE)
+    damaged.append(bytes(zeroed))
+    swapped = data[PAGE: 2 * PAGE] + data[:PAGE] + data[2 * PAGE:]  # misdirected pages
+    damaged.append(swapped)
+    damaged.append(data[:-1])  # truncated
+    damaged.append(data + b"\0")  # extended by a zero byte (the size check catches this too)
+    for d in damaged:
+        assert digest(d) != whole
+    assert digest(b"") != digest(bytes(8))

@@ -46,7 +46,7 @@ DRIVER = textwrap.dedent(r'''
 
     def check(folder, step):
         manifest = json.load(open(os.path.join(folder, MANIFEST)))
-        verify_files(folder, manifest["files"], checksums=True)  # sizes and CRCs
+        verify_files(folder, manifest["files"], checksums=True)  # sizes and block digests
         state = json.load(open(os.path.join(folder, STATE)))
         assert state["step"] == step and state["extra"] == {"step": step}, (step, state["extra"])
         n = 0

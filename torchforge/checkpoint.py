@@ -7,7 +7,7 @@ Layout of ``root``::
         optimizer-00001-of-00001.safetensors   optimizer.safetensors.index.json
         extra-00001-of-00001.safetensors       extra.safetensors.index.json   (only if extra has tensors)
         state.json       non-tensor state as JSON: optimizer param groups, step counters, ``extra``, aliases
-        manifest.json    every other file's size and CRC-32 per 64 MiB block (written last)
+        manifest.json    every other file's size and a digest per 64 MiB block (written last; see _ckpt_io)
 
 A step is written into ``.tmp-step-…`` with every file fsynced, then the folder is fsynced and renamed to
 ``step-…`` and the root fsynced: a step folder is either complete or absent, whatever moment a crash
@@ -178,7 +178,7 @@ class Checkpointer:
         os.mkdir(tmp)
         try:
             entries = write_files(tmp, files, self._pool, self._flusher)
-            manifest = {"format": _FORMAT, "version": 1, "step": step, "checksum": "crc32-64MiB-blocks",
+            manifest = {"format": _FORMAT, "version": 1, "step": step, "checksum": "blake2b128-of-4KiB-page-sum64, 64MiB blocks",
                         "files": entries}
             write_files(tmp, [FilePlan.of_bytes(MANIFEST, json.dumps(manifest, indent=1).encode() + b"\n")],
                         self._pool)
@@ -237,14 +237,14 @@ class Checkpointer:
                 raise ValueError("not a torchforge checkpoint manifest")
             for name, e in m["files"].items():
                 if "/" in name or "\\" in name or name.startswith(".") or not isinstance(e, dict) or not (
-                        isinstance(e.get("size"), int) and isinstance(e.get("crc32"), list)):
-                    raise ValueError(f"bad entry {name!r}: names must be plain file names with a size and crc32")
+                        isinstance(e.get("size"), int) and isinstance(e.get("digests"), list)):
+                    raise ValueError(f"bad entry {name!r}: names must be plain file names with size and digests")
             return m
         except (OSError, ValueError) as e:
             raise CheckpointError(f"unreadable manifest: {e}", path=p) from None
 
     def verify(self, step: int) -> None:
-        """Re-check the size and CRC-32 of every file of ``step``.
+        """Re-check the size and block digests of every file of ``step``.
 
         Raises:
             CheckpointError: naming the missing or damaged file and the offset of the damaged block.

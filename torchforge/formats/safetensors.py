@@ -24,7 +24,6 @@ import re
 import struct
 import sys
 import tempfile
-import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -488,13 +487,6 @@ def write_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
             else:
                 pending[0] = pending[0][n:]
                 n = 0
-
-
-def checksum(views: Sequence[memoryview], crc: int = 0) -> int:
-    """zlib CRC-32 of the concatenated views (zlib releases the GIL, so threads hash in parallel)."""
-    for v in views:
-        crc = zlib.crc32(v, crc)
-    return crc
 
 
 def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
