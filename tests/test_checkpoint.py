@@ -67,12 +67,12 @@ def _bitwise_equal(a: dict, b: dict) -> bool:
 def test_resume_trains_bitwise_identically(tmp_path, blocking):
     ref, ref_opt = _fresh()
     torch.manual_seed(123)
-    _train(ref, ref_opt, range(0, 8))
+    _train(ref, ref_opt, range(8))
     ref_rng = torch.get_rng_state()
 
     run, run_opt = _fresh()
     torch.manual_seed(123)
-    _train(run, run_opt, range(0, 4))
+    _train(run, run_opt, range(4))
     ck = Checkpointer(tmp_path / "ck")
     ck.save(4, model=run, optimizer=run_opt, extra={"rng": torch.get_rng_state(), "step": 4}, blocking=blocking)
     _train(run, run_opt, range(4, 5))  # training goes on while (or after) the save runs
@@ -107,7 +107,7 @@ def test_layout_index_and_official_interop(tmp_path):
         seen, total = {}, 0
         for fname in {f for f in names if f.startswith(group + "-")}:
             with safetensors.safe_open(os.path.join(folder, fname), framework="pt") as f:  # official reader
-                for k in f.keys():
+                for k in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                     seen[k] = fname
                     t = f.get_tensor(k)
                     total += t.numel() * t.element_size()

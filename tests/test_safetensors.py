@@ -13,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from torchforge.errors import SafetensorsError, TorchforgeError
-from torchforge.formats.safetensors import DTYPES, load_safetensors, parse_header, read_header, save_safetensors
+from torchforge.formats.safetensors import (
+    DTYPES,
+    load_safetensors,
+    parse_header,
+    read_header,
+    save_safetensors,
+)
 
 TORCH_CODES = [c for c, (_, dt) in DTYPES.items() if dt is not None]
 

@@ -2,8 +2,8 @@
 
 Checksums (standard library + numpy only): every file is cut into 64 MiB blocks; a block's digest is
 BLAKE2b-128 over the 64-bit sums (mod 2**64, little-endian words, last page zero-padded) of its 4 KiB
-pages and its length. numpy sums pages at memory speed (~20 GiB/s, GIL released) where zlib's CRC-32 manages ~3 GiB/s,
-so checksumming does not slow the save down; per-block digests let threads hash disjoint parts of one
+pages and its length. numpy sums pages at memory speed (~20 GiB/s, GIL released) where zlib's CRC-32
+manages ~3-5 GiB/s, so checksumming does not slow the save down; per-block digests let threads hash disjoint parts of one
 file in parallel and let ``verify`` say where a file is damaged. Any change inside one page that does
 not leave its word sum unchanged is detected - every flipped bit or byte, a zeroed, torn, stale, moved
 or swapped page, truncation - and BLAKE2b makes a different page-sum list collide with probability
@@ -27,7 +27,17 @@ import torch
 from torchforge.errors import CheckpointError
 from torchforge.formats.safetensors import as_bytes, parse_size, plan, write_all
 
-__all__ = ["BLOCK", "BlockDigest", "FilePlan", "Arena", "copy_tensors", "parse_size", "plan_group", "write_files", "verify_files"]
+__all__ = [
+    "BLOCK",
+    "Arena",
+    "BlockDigest",
+    "FilePlan",
+    "copy_tensors",
+    "parse_size",
+    "plan_group",
+    "verify_files",
+    "write_files",
+]
 
 BLOCK = 64 << 20  # checksum granularity
 PAGE = 4096
@@ -48,6 +58,8 @@ def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
 
 
 _sync_file_range = _libc_sync_file_range()
+
+
 class BlockDigest:
     """Streaming digest of one block: BLAKE2b-128 of the 64-bit word sums of its 4 KiB pages."""
 

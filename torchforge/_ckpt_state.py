@@ -16,7 +16,7 @@ import torch
 
 from torchforge.errors import CheckpointError
 
-__all__ = ["TensorTable", "encode", "decode", "restore_model", "restore_optimizer"]
+__all__ = ["TensorTable", "decode", "encode", "restore_model", "restore_optimizer"]
 
 _TAGS = ("__tensor__", "__tuple__", "__float__", "__dict__", "__dtype__")
 

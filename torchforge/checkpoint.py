@@ -30,7 +30,15 @@ from typing import Any
 
 import torch
 
-from torchforge._ckpt_io import Arena, FilePlan, copy_tensors, parse_size, plan_group, verify_files, write_files
+from torchforge._ckpt_io import (
+    Arena,
+    FilePlan,
+    copy_tensors,
+    parse_size,
+    plan_group,
+    verify_files,
+    write_files,
+)
 from torchforge._ckpt_state import TensorTable, decode, encode, model_table, restore_model, restore_optimizer
 from torchforge.errors import CheckpointError, TorchforgeError
 from torchforge.formats.safetensors import fsync_dir, load_safetensors

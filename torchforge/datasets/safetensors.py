@@ -26,7 +26,13 @@ import torch
 
 from torchforge.datasets.base import ShardDataset, register_format
 from torchforge.errors import CorruptShardError, FormatError
-from torchforge.formats.safetensors import SafetensorsFile, TensorInfo, parse_size, read_header, save_safetensors
+from torchforge.formats.safetensors import (
+    SafetensorsFile,
+    TensorInfo,
+    parse_size,
+    read_header,
+    save_safetensors,
+)
 
 __all__ = ["SafetensorsDataset", "SafetensorsShardWriter"]
 

@@ -442,10 +442,9 @@ def plan(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
     The order and header bytes are those of the official writer (dtype alignment descending, then name;
     header padded with spaces to a multiple of 8), so the files are byte-identical to its output.
     """
-    if metadata is not None:
-        if not isinstance(metadata, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise SafetensorsError("metadata must be a mapping of str to str")
+    if metadata is not None and (not isinstance(metadata, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise SafetensorsError("metadata must be a mapping of str to str")
     items = []
     for name, t in tensors.items():
         if not isinstance(name, str):
