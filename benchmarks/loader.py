@@ -179,7 +179,8 @@ def main() -> None:
     jinx, mds = write_data(f"{args.data}-{args.n}-{args.seed}", args.n, args.seed)
     mem = memcpy_gb_s()
     print(f"{args.n} samples, batch {BATCH}, best of {args.epochs} epochs (loaders take turns, epoch by epoch, "
-          f"so a busy machine hits them alike); memcpy on this machine: {mem:.1f} GB/s", flush=True)
+          f"so a busy machine hits them alike); memcpy on this machine: {mem:.1f} GB/s; "
+          f"load average {os.getloadavg()} on {os.cpu_count()} cores", flush=True)
     loaders = {
         "torchforge.DataLoader, JinxDataset, 2 workers": torchforge_loader(jinx, WORKERS),
         "torchforge.DataLoader, JinxDataset, 0 workers": torchforge_loader(jinx, 0),
@@ -202,6 +203,7 @@ def main() -> None:
         else:
             print(f"  {name:52s} {res['samples_s']:9.0f} samples/s  {res['gb_s']:6.2f} GB/s "
                   f"({res['gb_s'] / mem * 100:4.1f}% of memcpy)")
+    print(f"load average of this machine (1, 5, 15 min) at the end: {os.getloadavg()} on {os.cpu_count()} cores")
     names = list(loaders)
     tf2 = best[names[0]]
     print("ratios, torchforge 2 workers / other:")

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import gc
 import multiprocessing as mp
+import os
 import pickle
 import statistics
 import time
@@ -136,6 +137,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     objs = make_objects()
+    print(f"load average {os.getloadavg()} on {os.cpu_count()} cores")
     print("median ms from the worker starting to send to the main process holding the object;"
           " ratios = competitor time / torchforge time")
     print(f"{'object':20s} {'torchforge':>10s} {'torch queue':>11s} {'pickle5':>9s} {'p5 gc off':>9s} "
