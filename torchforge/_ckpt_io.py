@@ -3,9 +3,9 @@
 Checksums (standard library + numpy only): every file is cut into 64 MiB blocks; a block's digest is
 BLAKE2b-128 over the 64-bit sums (mod 2**64, little-endian words, last page zero-padded) of its 4 KiB
 pages and its length. numpy sums pages at memory speed (~20 GiB/s, GIL released) where zlib's CRC-32
-manages ~3-5 GiB/s, so checksumming does not slow the save down; per-block digests let threads hash disjoint parts of one
-file in parallel and let ``verify`` say where a file is damaged. Any change inside one page that does
-not leave its word sum unchanged is detected - every flipped bit or byte, a zeroed, torn, stale, moved
+manages ~3-5 GiB/s, so checksumming does not slow the save down; per-block digests let threads hash
+disjoint parts of one file in parallel and let ``verify`` say where a file is damaged. Any change
+inside one page that does not leave its word sum unchanged is detected - every flipped bit or byte, a zeroed, torn, stale, moved
 or swapped page, truncation - and BLAKE2b makes a different page-sum list collide with probability
 2**-128. Not detected: changes that cancel out inside one page (two 8-byte words swapped within a page).
 It guards against accidental damage, not tampering.
@@ -168,7 +168,8 @@ class Arena:
             for off, t in f.parts:
                 n = t.numel() * t.element_size()
                 if n:
-                    pairs.append((self.buf[base + off - hl: base + off - hl + n].view(t.dtype).view(t.shape), t))
+                    dst = self.buf[base + off - hl: base + off - hl + n]
+                    pairs.append((dst.view(t.dtype).view(t.shape), t))
             f.views = [(0, memoryview(f.head))]
             if f.size > hl:
                 f.views.append((hl, as_bytes(self.buf[base: base + f.size - hl])))
@@ -182,8 +183,9 @@ def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: Threa
     pieces = []
     with torch.no_grad():
         for dst, src in pairs:
-            if (pool is not None and dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype
-                    and dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous() and dst.numel()):
+            same = dst.dtype == src.dtype and dst.shape == src.shape and dst.numel() > 0
+            if (pool is not None and same and dst.device.type == src.device.type == "cpu"
+                    and dst.is_contiguous() and src.is_contiguous()):
                 d = np.frombuffer(as_bytes(dst), dtype=np.uint8)
                 s = np.frombuffer(as_bytes(src), dtype=np.uint8)
                 pieces += [(d[i: i + _COPY], s[i: i + _COPY]) for i in range(0, len(d), _COPY)]
@@ -209,29 +211,41 @@ def _blocks(views: Sequence[tuple[int, memoryview]], size: int) -> list[list[mem
 
 
 def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor,
-                flusher: ThreadPoolExecutor | None = None) -> dict[str, dict[str, Any]]:
+                flusher: ThreadPoolExecutor | None = None,
+                then: Callable[[dict[str, dict[str, Any]]], FilePlan] | None = None
+                ) -> dict[str, dict[str, Any]]:
     """Write files into ``folder`` with parallel block writes, digest each block, fsync each file.
 
     ``pool`` hashes and writes blocks; ``flusher`` (one thread) starts each written block's write-back
     to disk (Linux ``sync_file_range``) so that the disk works while the CPUs still hash and copy, and
-    the final fsync has little left to do.
+    the final fsync has little left to do. ``then(entries)``, if given, makes one more (small) file from
+    the entries - the manifest - which is written before the fsyncs, so that all files share them.
 
     Returns:
-        The manifest entries: file name -> ``{"size": bytes, "digests": [hex per 64 MiB block]}``.
+        The manifest entries of ``files``: name -> ``{"size": bytes, "digests": [hex per 64 MiB block]}``.
     """
     fds: dict[str, int] = {}
+
+    def create(name: str, size: int) -> int:
+        fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fds[name] = fd
+        if size:
+            os.ftruncate(fd, size)
+        return fd
+
     try:
         jobs, flushes = [], []
         for f in files:
-            fd = os.open(os.path.join(folder, f.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            fds[f.name] = fd
-            if f.size:
-                os.ftruncate(fd, f.size)
+            fd = create(f.name, f.size)
             for b, views in enumerate(_blocks(f.views, f.size)):
                 jobs.append((f.name, b, pool.submit(_write_block, fd, b * BLOCK, views, flusher, flushes)))
         sums: dict[str, list[str]] = {f.name: [] for f in files}
         for name, _, fut in jobs:
             sums[name].append(fut.result())
+        entries = {f.name: {"size": f.size, "digests": sums[f.name]} for f in files}
+        if then is not None:
+            last = then(entries)
+            write_all(create(last.name, last.size), [v for _, v in last.views], 0)
         for fut in flushes:
             fut.result()
         for fut in [pool.submit(os.fsync, fd) for fd in fds.values()]:
@@ -239,7 +253,7 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
     finally:
         for fd in fds.values():
             os.close(fd)
-    return {f.name: {"size": f.size, "digests": sums[f.name]} for f in files}
+    return entries
 
 
 def _pieces(views: Sequence[memoryview], size: int) -> list[list[memoryview]]:

@@ -73,7 +73,8 @@ def encode(obj: Any, path: str, table: TensorTable) -> Any:
             return {k: encode(v, sub(k), table) for k, v in obj.items()}
         return {"__dict__": [[encode(k, sub(f"key{i}"), table), encode(v, sub(k), table)]
                              for i, (k, v) in enumerate(obj.items())]}
-    raise CheckpointError(f"cannot store {type(obj).__name__} at {path!r} without pickle: use tensors, numbers, "
+    raise CheckpointError(f"cannot store {type(obj).__name__} at {path!r} without pickle: use tensors, "
+                          "numbers, "
                           "strings, bools, None, lists, tuples and dicts")
 
 
@@ -130,7 +131,8 @@ def restore_model(model: torch.nn.Module, source: Callable[[str], torch.Tensor],
     for k, dst in target.items():
         src = source(aliases.get(k, k))
         if tuple(src.shape) != tuple(dst.shape):
-            raise CheckpointError(f"{k!r} has shape {list(src.shape)} in the checkpoint, {list(dst.shape)} in the "
+            raise CheckpointError(f"{k!r} has shape {list(src.shape)} in the checkpoint, {list(dst.shape)} "
+                                  "in the "
                                   "model", path=where)
         key = (dst.untyped_storage().data_ptr(), dst.storage_offset(), tuple(dst.shape), dst.stride())
         if dst.numel() and key in done:  # tied in the model too: already restored
@@ -149,7 +151,8 @@ def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: 
     for floating-point parameters), ``step`` stays as stored unless the group is capturable or fused.
     """
     groups, sgroups = opt.param_groups, saved["param_groups"]
-    if len(groups) != len(sgroups) or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, sgroups)):
+    sizes = [len(g["params"]) for g in groups]
+    if sizes != [len(s["params"]) for s in sgroups]:
         raise CheckpointError(f"optimizer has groups of sizes {[len(g['params']) for g in groups]}, the "
                               f"checkpoint {[len(s['params']) for s in sgroups]}", path=where)
     index, group_of = {}, {}
@@ -168,7 +171,8 @@ def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: 
         for k, v in entry.items():
             if isinstance(v, torch.Tensor):
                 if k == "step":
-                    dev, dt = (p.device, torch.float32) if g.get("capturable") or g.get("fused") else ("cpu", v.dtype)
+                    on_device = g.get("capturable") or g.get("fused")
+                    dev, dt = (p.device, torch.float32) if on_device else ("cpu", v.dtype)
                 else:
                     dev, dt = p.device, p.dtype if p.is_floating_point() else v.dtype
                 cur = old.get(k)

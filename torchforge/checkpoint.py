@@ -26,7 +26,7 @@ import shutil
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -99,8 +99,9 @@ class Checkpointer:
         return os.path.join(self.root, f"step-{int(step):08d}")
 
     # --- saving --------------------------------------------------------------------------------------
-    def save(self, step: int, *, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-             extra: Any = None, blocking: bool = True) -> None:
+    def save(self, step: int, *, model: torch.nn.Module | None = None,
+             optimizer: torch.optim.Optimizer | None = None, extra: Any = None,
+             blocking: bool = True) -> None:
         """Save a step (replacing an existing folder of the same step).
 
         Args:
@@ -156,7 +157,7 @@ class Checkpointer:
     def _background(self, step: int, files: list[FilePlan], state: dict) -> None:
         try:
             self._write(step, files, state)
-        except BaseException as e:  # kept for wait()/the next save()
+        except BaseException as e:  # noqa: BLE001 - kept for wait()/the next save(), which re-raise it
             self._error = e
 
     def _plan(self, step: int, model: Any, optimizer: Any, extra: Any) -> tuple[list[FilePlan], dict]:
@@ -185,11 +186,12 @@ class Checkpointer:
         tmp = os.path.join(self.root, f".tmp-step-{step:08d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.mkdir(tmp)
         try:
-            entries = write_files(tmp, files, self._pool, self._flusher)
-            manifest = {"format": _FORMAT, "version": 1, "step": step, "checksum": "blake2b128-of-4KiB-page-sum64, 64MiB blocks",
-                        "files": entries}
-            write_files(tmp, [FilePlan.of_bytes(MANIFEST, json.dumps(manifest, indent=1).encode() + b"\n")],
-                        self._pool)
+            def manifest(entries: dict[str, Any]) -> FilePlan:
+                m = {"format": _FORMAT, "version": 1, "step": step,
+                     "checksum": "blake2b128-of-4KiB-page-sum64, 64MiB blocks", "files": entries}
+                return FilePlan.of_bytes(MANIFEST, json.dumps(m, indent=1).encode() + b"\n")
+
+            write_files(tmp, files, self._pool, self._flusher, then=manifest)
             fsync_dir(tmp)
             final = self.path(step)
             with self._lock:
@@ -236,7 +238,8 @@ class Checkpointer:
         """
         folder = self.path(step)
         if not os.path.isdir(folder):
-            raise CheckpointError(f"no checkpoint for step {step}; committed steps: {self.steps()}", path=folder)
+            raise CheckpointError(f"no checkpoint for step {step}; committed steps: {self.steps()}",
+                                  path=folder)
         p = os.path.join(folder, MANIFEST)
         try:
             with open(p, "rb") as f:
@@ -246,7 +249,8 @@ class Checkpointer:
             for name, e in m["files"].items():
                 if "/" in name or "\\" in name or name.startswith(".") or not isinstance(e, dict) or not (
                         isinstance(e.get("size"), int) and isinstance(e.get("digests"), list)):
-                    raise ValueError(f"bad entry {name!r}: names must be plain file names with size and digests")
+                    raise ValueError(f"bad entry {name!r}: names must be plain file names with size and "
+                                     "digests")
             return m
         except (OSError, ValueError) as e:
             raise CheckpointError(f"unreadable manifest: {e}", path=p) from None
@@ -309,7 +313,8 @@ class Checkpointer:
                 raise
             raise CheckpointError(f"step {step} is damaged: {e.reason}", path=e.path, offset=e.offset) from e
         except OSError as e:
-            raise CheckpointError(f"step {step} cannot be read: {e.strerror}", path=e.filename or folder) from e
+            raise CheckpointError(f"step {step} cannot be read: {e.strerror}",
+                                  path=e.filename or folder) from e
 
     def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         copy_tensors(pairs, self._pool)
@@ -328,8 +333,8 @@ class Checkpointer:
         opened: dict[str, Any] = {}
         for fname in sorted(set(wmap.values())):
             if fname not in listed:
-                raise CheckpointError(f"index names {fname!r}, which is not in the manifest", path=os.path.join(
-                    folder, f"{group}.safetensors.index.json"))
+                raise CheckpointError(f"index names {fname!r}, which is not in the manifest",
+                                      path=os.path.join(folder, f"{group}.safetensors.index.json"))
             opened[fname] = load_safetensors(os.path.join(folder, fname))
         def get(name: str) -> torch.Tensor:
             fname = wmap.get(name)
@@ -349,15 +354,16 @@ class Checkpointer:
             self._pool.shutdown(wait=True)
             self._flusher.shutdown(wait=True)
 
-    def __enter__(self) -> Checkpointer:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
 def _missing(name: str, folder: str) -> torch.Tensor:
-    raise CheckpointError(f"state.json refers to tensor {name!r} but the step has no extra shards", path=folder)
+    raise CheckpointError(f"state.json refers to tensor {name!r} but the step has no extra shards",
+                          path=folder)
 
 
 def _alive(pid: int) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -59,7 +59,8 @@ def _columns(infos: Mapping[str, TensorInfo], path: str) -> tuple[int, dict[str,
         if ragged:
             off = infos[name + OFFSETS]
             if off.dtype != "I64" or len(off.shape) != 1 or off.shape[0] < 1:
-                raise CorruptShardError(f"{name + OFFSETS!r} must be a 1-D int64 tensor of n + 1 offsets, got "
+                raise CorruptShardError(f"{name + OFFSETS!r} must be a 1-D int64 tensor of n + 1 offsets, "
+                                        "got "
                                         f"{off.dtype} {list(off.shape)}", path=path)
             if not info.shape:
                 raise CorruptShardError(f"ragged column {name!r} must have at least one dimension", path=path)
@@ -102,7 +103,8 @@ class SafetensorsDataset(ShardDataset):
             _, infos, meta = read_header(f)
             n, cols = _columns(infos, f)
             if meta and meta.get("format") == _META["format"] and meta.get("samples") != str(n):
-                raise CorruptShardError(f"metadata says {meta.get('samples')} samples, the columns {n}", path=f)
+                raise CorruptShardError(f"metadata says {meta.get('samples')} samples, the columns {n}",
+                                        path=f)
             if columns is not None:
                 missing = sorted(set(columns) - set(cols))
                 if missing:
@@ -146,7 +148,8 @@ class SafetensorsDataset(ShardDataset):
                     if off[0] != 0 or off[-1] != data[c].shape[0] or falls.size:
                         j = int(falls[0]) + 1 if falls.size else (0 if off[0] != 0 else n)
                         raise CorruptShardError(
-                            f"offsets of ragged column {c!r} must rise from 0 to {data[c].shape[0]}; offset {j} is "
+                            f"offsets of ragged column {c!r} must rise from 0 to {data[c].shape[0]}; "
+                            f"offset {j} is "
                             f"{off[j]}", path=path, offset=f.data_start + f.infos[c + OFFSETS].start + 8 * j)
                     offsets[c] = off
             got = self._open[s] = (data, offsets)
@@ -182,7 +185,8 @@ class SafetensorsShardWriter:
         self.out = os.fspath(out)
         os.makedirs(self.out, exist_ok=True)
         if _shard_files(self.out):
-            raise FormatError(f"folder already holds *{SUFFIX} shards; write into an empty folder", path=self.out)
+            raise FormatError(f"folder already holds *{SUFFIX} shards; write into an empty folder",
+                              path=self.out)
         self.max_bytes = parse_size(max_shard_size)
         if samples_per_shard is not None and samples_per_shard < 1:
             raise ValueError(f"samples_per_shard={samples_per_shard!r} must be >= 1")
@@ -212,7 +216,8 @@ class SafetensorsShardWriter:
         self._rows.append(row)
         self.samples += 1
         self._bytes += sum(t.numel() * t.element_size() for t in row.values())
-        if self._bytes >= self.max_bytes or (self.samples_per_shard and len(self._rows) >= self.samples_per_shard):
+        full = self.samples_per_shard is not None and len(self._rows) >= self.samples_per_shard
+        if self._bytes >= self.max_bytes or full:
             self._flush()
 
     def _flush(self) -> None:
@@ -225,7 +230,8 @@ class SafetensorsShardWriter:
                 tensors[c] = torch.stack(vals)
                 continue
             if any(v.dim() == 0 or v.shape[1:] != vals[0].shape[1:] for v in vals):
-                raise FormatError(f"column {c!r} is ragged: its values need >= 1 dimension and equal trailing "
+                raise FormatError(f"column {c!r} is ragged: its values need >= 1 dimension and equal "
+                                  "trailing "
                                   f"dimensions, got shapes {sorted({tuple(v.shape) for v in vals})[:4]}",
                                   path=self.out)
             tensors[c] = torch.cat(vals)
@@ -240,10 +246,10 @@ class SafetensorsShardWriter:
         """Write the last shard."""
         self._flush()
 
-    def __enter__(self) -> SafetensorsShardWriter:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is None:
             self.close()
 

@@ -15,6 +15,7 @@ and a buffer ending exactly at the end of the file. Every failure is a :class:`S
 >>> load_safetensors("/tmp/w.safetensors")["w"].sum()  # doctest: +SKIP
 tensor(6.)
 """
+# ruff: noqa: TRY004 - header type errors are ValueErrors turned into SafetensorsError (a ValueError) below
 from __future__ import annotations
 
 import json
@@ -273,13 +274,15 @@ def parse_header(head: bytes, file_size: int, path: str | None = None
     pos = 0
     for name, (dtype, shape, (s, e)) in sorted(parsed.items(), key=lambda kv: kv[1][2]):
         if s != pos or e < s:
-            raise _err("InvalidOffset", f"tensor {name!r} has data_offsets [{s}, {e}] but the previous tensor "
+            raise _err("InvalidOffset", f"tensor {name!r} has data_offsets [{s}, {e}] but the previous "
+                       "tensor "
                        f"ends at {pos} (offsets must be contiguous from 0, without gap or overlap)",
                        path, data_start + min(s, pos))
         pos = e
         size = _nbytes(dtype, shape)
         if size is None:
-            raise _err("ValidationOverflow", f"tensor {name!r}: shape {list(shape)} x {dtype} overflows 64 bits",
+            raise _err("ValidationOverflow", f"tensor {name!r}: shape {list(shape)} x {dtype} overflows "
+                       "64 bits",
                        path, data_start + s)
         if size < 0:
             raise _err("MisalignedSlice", f"tensor {name!r}: {list(shape)} x {dtype} does not end on a byte",
@@ -289,7 +292,8 @@ def parse_header(head: bytes, file_size: int, path: str | None = None
                        f"data_offsets [{s}, {e}] hold {e - s}", path, data_start + s)
         tensors[name] = TensorInfo(dtype, shape, s, e)
     if data_start + pos != file_size:
-        raise _err("MetadataIncompleteBuffer", f"tensor data ends at byte {data_start + pos} but the file has "
+        raise _err("MetadataIncompleteBuffer", f"tensor data ends at byte {data_start + pos} but the file "
+                   "has "
                    f"{file_size} bytes ({'trailing bytes' if data_start + pos < file_size else 'truncated'})",
                    path, min(data_start + pos, file_size))
     return n, tensors, metadata
@@ -313,12 +317,14 @@ def _storage_shape(info: TensorInfo, path: str) -> tuple[torch.dtype, tuple[int,
     """The torch dtype and shape a header entry is exposed as."""
     dt = DTYPES[info.dtype][1]
     if any(d >= 2**63 for d in info.shape):
-        raise SafetensorsError(f"shape {list(info.shape)} has a dimension torch cannot hold (>= 2**63)", path=path)
+        raise SafetensorsError(f"shape {list(info.shape)} has a dimension torch cannot hold (>= 2**63)",
+                               path=path)
     if dt is None:  # F6 (and float8 on an old torch): the raw bytes
         return torch.uint8, (info.end - info.start,)
     if info.dtype == "F4":  # two values per byte: torch's float4_e2m1fn_x2 halves the last dimension
         if not info.shape or info.shape[-1] % 2:
-            raise _err("MisalignedSlice", f"F4 tensor of shape {list(info.shape)} needs an even last dimension "
+            raise _err("MisalignedSlice", f"F4 tensor of shape {list(info.shape)} needs an even last "
+                       "dimension "
                        "to be a torch float4_e2m1fn_x2 tensor", path, None)
         return dt, info.shape[:-1] + (info.shape[-1] // 2,)
     return dt, info.shape
