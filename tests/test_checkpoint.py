@@ -1,8 +1,10 @@
 """torchforge.checkpoint: layout, interop, tied weights, bitwise resume, async snapshots, verify, errors."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
+from pathlib import Path
 
 import pytest
 import safetensors
@@ -50,8 +52,8 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 def _bitwise_equal(a: dict, b: dict) -> bool:
     if a.keys() != b.keys():
         return False
-    for k in a:
-        x, y = a[k], b[k]
+    for k, x in a.items():
+        y = b[k]
         if isinstance(x, dict):
             if not _bitwise_equal(x, y):
                 return False
@@ -100,10 +102,10 @@ def test_layout_index_and_official_interop(tmp_path):
     model_files = [n for n in names if n.startswith("model-")]
     assert len(model_files) > 1 and all(n.endswith(f"-of-{len(model_files):05d}.safetensors") for n in model_files)
     assert "optimizer.safetensors.index.json" in names and "state.json" in names and "manifest.json" in names
-    manifest = json.loads(open(os.path.join(folder, "manifest.json")).read())
+    manifest = json.loads(Path(os.path.join(folder, "manifest.json")).read_text())
     assert set(manifest["files"]) == set(names) - {"manifest.json"}
     for group in ("model", "optimizer"):
-        index = json.loads(open(os.path.join(folder, f"{group}.safetensors.index.json")).read())
+        index = json.loads(Path(os.path.join(folder, f"{group}.safetensors.index.json")).read_text())
         seen, total = {}, 0
         for fname in {f for f in names if f.startswith(group + "-")}:
             with safetensors.safe_open(os.path.join(folder, fname), framework="pt") as f:  # official reader
@@ -113,16 +115,16 @@ def test_layout_index_and_official_interop(tmp_path):
                     total += t.numel() * t.element_size()
         assert index["weight_map"] == seen and index["metadata"]["total_size"] == total
     sd = m.state_dict()
-    model_index = json.loads(open(os.path.join(folder, "model.safetensors.index.json")).read())["weight_map"]
+    model_index = json.loads(Path(os.path.join(folder, "model.safetensors.index.json")).read_text())["weight_map"]
     assert "head.weight" not in model_index and "emb.weight" in model_index  # tied: stored once
     for k, fname in model_index.items():
         with safetensors.safe_open(os.path.join(folder, fname), framework="pt") as f:
             assert torch.equal(f.get_tensor(k), sd[k])
-    state = json.loads(open(os.path.join(folder, "state.json")).read())
+    state = json.loads(Path(os.path.join(folder, "state.json")).read_text())
     assert state["model"]["aliases"] == {"head.weight": "emb.weight"}
     extra = ck.restore(7)
     assert extra["epoch"] == 1 and extra["lrs"][0] == 0.1 and extra["lrs"][1] != extra["lrs"][1]
-    assert not any(n.endswith(".pkl") or n.endswith(".pt") for n in names)
+    assert not any(n.endswith((".pkl", ".pt")) for n in names)
 
 
 def test_non_blocking_snapshot_is_taken_before_return(tmp_path):
@@ -141,7 +143,7 @@ def test_non_blocking_snapshot_is_taken_before_return(tmp_path):
 
 
 def test_keep_last_prunes_after_commit_and_resave_replaces(tmp_path):
-    m, opt = _fresh()
+    m, _ = _fresh()
     ck = Checkpointer(tmp_path, keep_last=2)
     for s in range(5):
         ck.save(s, model=m, extra={"s": s}, blocking=s % 2 == 0)
@@ -162,16 +164,16 @@ def test_verify_names_the_damaged_file(tmp_path):
     ck.verify(3)
     folder = ck.path(3)
     shard = os.path.join(folder, "optimizer-00001-of-00001.safetensors")
-    raw = bytearray(open(shard, "rb").read())
+    raw = bytearray(Path(shard).read_bytes())
     raw[len(raw) // 2] ^= 0x10  # one flipped bit in the tensor data
-    open(shard, "wb").write(raw)
+    Path(shard).write_bytes(raw)
     with pytest.raises(CheckpointError) as ei:
         ck.verify(3)
     assert ei.value.path == shard and ei.value.offset == 0 and "checksum" in str(ei.value)
     fresh, fresh_opt = _fresh()
     with pytest.raises(CheckpointError):
         ck.restore(3, model=fresh, optimizer=fresh_opt, verify=True)
-    open(shard, "wb").write(raw[:-3])  # truncated: caught by the cheap size check of every restore
+    Path(shard).write_bytes(raw[:-3])  # truncated: caught by the cheap size check of every restore
     with pytest.raises(CheckpointError) as ei:
         ck.restore(3, optimizer=fresh_opt)
     assert ei.value.path == shard and "bytes" in str(ei.value)
@@ -185,26 +187,26 @@ def test_damaged_header_and_state_are_checkpoint_errors(tmp_path):
     ck = Checkpointer(tmp_path)
     ck.save(1, model=m)
     shard = os.path.join(ck.path(1), "model-00001-of-00001.safetensors")
-    raw = bytearray(open(shard, "rb").read())
+    raw = bytearray(Path(shard).read_bytes())
     raw[9] = ord("[")  # header JSON broken, same size
-    open(shard, "wb").write(raw)
+    Path(shard).write_bytes(raw)
     with pytest.raises(CheckpointError) as ei:
         ck.restore(1, model=_fresh()[0])
     assert ei.value.path == shard
     ck.save(2, model=m)
-    open(os.path.join(ck.path(2), "manifest.json"), "w").write("{")
+    Path(ck.path(2), "manifest.json").write_text("{")
     with pytest.raises(CheckpointError, match="manifest"):
         ck.verify(2)
     ck.save(4, model=m)
     mpath = os.path.join(ck.path(4), "manifest.json")
-    text = open(mpath).read().replace('"state.json"', '"../../state.json"')
-    open(mpath, "w").write(text)
+    text = Path(mpath).read_text().replace('"state.json"', '"../../state.json"')
+    Path(mpath).write_text(text)
     with pytest.raises(CheckpointError, match="plain file names"):
         ck.verify(4)
     ck.save(3, model=m)
     index = os.path.join(ck.path(3), "model.safetensors.index.json")
-    text = open(index).read().replace("model-00001-of-00001", "model-00009-of-00009")  # same size
-    open(index, "w").write(text)
+    text = Path(index).read_text().replace("model-00001-of-00001", "model-00009-of-00009")  # same size
+    Path(index).write_text(text)
     with pytest.raises(CheckpointError, match="not in the manifest"):  # an index naming a file not there
         ck.restore(3, model=_fresh()[0])
 
@@ -346,7 +348,7 @@ def test_block_digest_streaming_and_what_it_detects():
     whole = digest(data)
     for cuts in ([1], [PAGE - 1, PAGE + 5], [7, 8, 9, 3 * PAGE], [3 * PAGE + 122]):  # any split, same digest
         bounds = [0, *cuts, len(data)]
-        assert digest(*[data[a:b] for a, b in zip(bounds, bounds[1:])]) == whole
+        assert digest(*[data[a:b] for a, b in itertools.pairwise(bounds)]) == whole
     damaged = []
     flipped = bytearray(data)
     flipped[PAGE + 17] ^= 0x04

@@ -1,4 +1,5 @@
 """torchforge.formats.safetensors: interop with the official package, and its exact strictness."""
+# ruff: noqa: UP031 - the malformed headers are JSON templates full of braces: %-formatting keeps them legible
 from __future__ import annotations
 
 import json
@@ -243,7 +244,7 @@ def _official_accepts(raw: bytes) -> bool:
     try:
         safetensors.deserialize(raw)
         return True
-    except Exception:  # the official binding raises SafetensorError (and nothing else for bad bytes)
+    except Exception:  # noqa: BLE001 - the official binding raises its SafetensorError (not importable)
         return False
 
 

@@ -1,6 +1,8 @@
 """SafetensorsDataset / SafetensorsShardWriter: round trips (fixed and ragged), detection, bad shards."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import safetensors.torch as st
@@ -115,8 +117,8 @@ def test_damaged_shard_file_is_a_typed_error(tmp_path):
     with SafetensorsShardWriter(tmp_path, samples_per_shard=5) as w:
         for s in _samples(5):
             w.write(s)
-    raw = open(w.files[0], "rb").read()
-    open(w.files[0], "wb").write(raw[:-2])
+    raw = Path(w.files[0]).read_bytes()
+    Path(w.files[0]).write_bytes(raw[:-2])
     with pytest.raises(TorchforgeError):
         SafetensorsDataset(tmp_path)
 
