@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -91,6 +92,31 @@ def test_fast_paths_roundtrip(channel):
             assert got[:2] == obj[:2] and math.isnan(got[2])
         else:
             assert _same(obj, got), obj
+
+
+class _Record(Mapping):
+    """A read-only mapping that is not a dict, like a lazy dataset's sample."""
+
+    def __init__(self, **kw):
+        self._d = kw
+
+    def __getitem__(self, k):
+        return self._d[k]
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self):
+        return len(self._d)
+
+
+def test_records_travel_as_json_only_when_exact(channel):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "n": 3, "ok": None}]
+    assert _same(msgs, _roundtrip(msgs, *channel))
+    for inexact in ({"a": float("nan")}, {"a": 2**64}, {"a": float("-inf"), "b": 1}, {1: "x"}, {"a": (1, 2)}):
+        assert _same([inexact, inexact], _roundtrip([inexact, inexact], *channel)), inexact
+    got = _roundtrip({"m": [[_Record(role="user", content="q")], []]}, *channel)
+    assert got == {"m": [[{"role": "user", "content": "q"}], []]} and type(got["m"][0][0]) is dict
 
 
 def test_tensors_are_views_of_the_slab_and_slab_is_released_on_gc(channel):

@@ -186,7 +186,7 @@ class Arena:
     def _grow(self, need: int) -> None:
         size = _round_up(max(need, 2 * len(self._mm)), _GROW_STEP)
         os.ftruncate(self._fd, size)
-        self._mm = mmap.mmap(self._fd, size)
+        self._mm = _map_rw(self._fd, size)
         self._maps.append((_address(self._mm), size, self._mm))
 
     def offset_of(self, ptr: int, nbytes: int) -> int | None:
@@ -255,4 +255,10 @@ def _map_whole(fd: int) -> mmap.mmap:
     if size == 0:
         os.ftruncate(fd, _GROW_STEP)
         size = _GROW_STEP
-    return mmap.mmap(fd, size)
+    return _map_rw(fd, size)
+
+
+def _map_rw(fd: int, size: int) -> mmap.mmap:
+    """A worker's mapping, its pages faulted in by one system call (MAP_POPULATE where available)
+    instead of one fault per 4 KiB page as the collate writes."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
