@@ -516,3 +516,16 @@ def test_image_column_decodes_to_pil(tmp_path):
                            {"p": "png", "q": "bytes"}))
     assert np.array_equal(np.asarray(ds[0]["p"]), np.asarray(img)) and ds[0]["q"] == b"raw"
     shutil.rmtree(str(tmp_path / "d"))
+
+
+def test_dataloader_spawn_workers_share_the_decompressed_cache(tmp_path):
+    """Workers get a pickled dataset (no maps): they reopen shards and reuse the owner's cache folder."""
+    import torch.utils.data
+
+    rows = list(mds_rows(24, 10))
+    out = _write(str(tmp_path / "d"), rows, compression="zstd", size_limit=1 << 14)
+    ds = MDSDataset(out, columns=["id", "label"])
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    got = sorted(int(s["id"]) for s in loader)
+    assert got == list(range(24))
+    assert sorted(os.listdir(ds._cache_dir)) == sorted(f"{k:05}-{m.raw_basename}" for k, m in enumerate(ds.metas))

@@ -17,7 +17,7 @@ from torchforge.formats.mds import MDSWriter
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "interop")
 sys.path.insert(0, FIXTURES)
-from expected import MDS_COLUMNS, mds_rows, same  # noqa: E402
+from expected import MDS_COLUMNS, mds_rows, same
 
 
 def test_importing_torchforge_never_imports_streaming():
@@ -28,8 +28,8 @@ def test_importing_torchforge_never_imports_streaming():
 
 
 streaming = pytest.importorskip("streaming", reason="MosaicML Streaming is not installed")
-from streaming import StreamingDataset  # noqa: E402
-from streaming.base.util import clean_stale_shared_memory  # noqa: E402
+from streaming import StreamingDataset
+from streaming.base.util import clean_stale_shared_memory
 
 
 @pytest.fixture(autouse=True)
@@ -87,14 +87,16 @@ def test_sample_compression_needs_patch_and_unpatch_restores(tmp_path):
     rows = list(mds_rows(40, 13))
     src = _write(str(tmp_path / "src"), rows, "sample::zstd")
     original = streaming.base.format._readers["mds"]
-    with pytest.raises(Exception):  # Streaming takes the folder for a half-present compressed one
+    # Streaming takes the folder for a half-present compressed one: it deletes the shards, then finds
+    # no remote to fetch them from.
+    with pytest.raises(ValueError, match="remote"):
         _dataset(tmp_path, src)[0]
     tfs.patch()
     tfs.patch()  # idempotent
     _check(_dataset(tmp_path, src), rows)
     tfs.unpatch()
     assert streaming.base.format._readers["mds"] is original and not tfs.is_patched()
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="remote"):
         _dataset(tmp_path, src)[0]
 
 
@@ -120,7 +122,8 @@ def test_patched_unsafe_types_gate_and_eviction(tmp_path):
         _dataset(tmp_path, src)
     # A remote with a small cache: shards are fetched, decompressed, evicted and fetched again.
     local = str(tmp_path / f"cache-{uuid.uuid4().hex}")
-    shards = json.load(open(os.path.join(src, "index.json")))["shards"]
+    with open(os.path.join(src, "index.json")) as f:
+        shards = json.load(f)["shards"]
     assert len(shards) > 4
     biggest = max(s["raw_data"]["bytes"] + s["zip_data"]["bytes"] for s in shards)
     limit = os.path.getsize(os.path.join(src, "index.json")) + 4 * biggest  # Streaming stalls at 2
@@ -132,3 +135,17 @@ def test_patched_unsafe_types_gate_and_eviction(tmp_path):
         assert [g["p"] for g in got] == [r["p"] for r in rows]
         assert all(np.array_equal(g["x"], r["x"]) for g, r in zip(got, rows))
     assert sum(os.path.getsize(os.path.join(local, f)) for f in os.listdir(local)) <= limit
+
+
+def test_patched_reader_notices_a_deleted_shard(tmp_path):
+    """A shard deleted after it was mapped is fetched again from the remote, as with Streaming's reader."""
+    tfs.patch()
+    rows = list(mds_rows(40, 15))
+    src = _write(str(tmp_path / "src"), rows, size_limit=1 << 14)
+    local = str(tmp_path / f"local-{uuid.uuid4().hex}")
+    ds = StreamingDataset(remote=src, local=local, shuffle=False, batch_size=1)
+    shard0 = os.path.join(local, "shard.00000.mds")
+    assert ds[0]["id"] == 0 and os.path.exists(shard0)
+    os.remove(shard0)
+    assert same(rows[1], ds[1]) == ""
+    assert os.path.exists(shard0)

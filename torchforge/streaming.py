@@ -15,6 +15,7 @@ and per-sample compression (``"compression": "sample::zstd"``, MLDataForge's lay
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Any
@@ -58,19 +59,30 @@ def _build_reader_class() -> type:
             self._decoder = SampleDecoder(self._meta, where, allow_unsafe_types=True)
 
         def _open(self) -> MDSShard:
+            """The shard's map, reopened when the file was deleted (evicted) since it was mapped."""
+            shard = self._shard
+            if shard is not None and os.fstat(self._fd).st_nlink:
+                return shard
+            self._close()
             path = os.path.join(self.dirname, self.split, self.raw_data.basename)
             # FileNotFoundError propagates: StreamingDataset.get_item downloads the shard and retries.
-            shard = MDSShard(path, self._meta, allow_unsafe_types=True)
-            self._shard = shard
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                shard = MDSShard(path, self._meta, allow_unsafe_types=True)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd, self._shard = fd, shard
             return shard
 
         def _close(self) -> None:
             shard, self._shard = self._shard, None
             if shard is not None:
                 shard.close()
+                os.close(self._fd)
 
         def get_sample_data(self, idx: int) -> bytes:
-            shard = self._shard or self._open()
+            shard = self._open()
             if not 0 <= idx < shard.samples:
                 raise IndexError(f"Relative sample index {idx} is not present in the {self.raw_data.basename} file.")
             return bytes(shard.raw(idx))
@@ -79,10 +91,16 @@ def _build_reader_class() -> type:
             return self._decoder.decode(data)
 
         def get_item(self, idx: int) -> dict[str, Any]:
-            shard = self._shard or self._open()
+            # One fstat per sample: a shard deleted behind our back (eviction by another worker, a user)
+            # must raise FileNotFoundError as Streaming's reader does, so that Streaming fetches it again.
+            shard = self._open()
             if not 0 <= idx < shard.samples:
                 raise IndexError(f"Relative sample index {idx} is not present in the {self.raw_data.basename} file.")
             return shard.get(idx)
+
+        def __del__(self) -> None:
+            with contextlib.suppress(Exception):  # half-built reader, or interpreter shutdown
+                self._close()
 
         def _evict_raw(self) -> int:
             self._close()
@@ -94,7 +112,8 @@ def _build_reader_class() -> type:
 
         def __getstate__(self) -> dict[str, Any]:
             state = self.__dict__.copy()
-            state["_shard"] = None  # maps and decoders (closures) are rebuilt on the other side
+            state["_shard"] = None  # maps, descriptors and decoders (closures) are rebuilt on the other side
+            state.pop("_fd", None)
             del state["_decoder"]
             return state
 
