@@ -35,6 +35,9 @@ def test_zstd_frame_without_content_size():
     # two concatenated streamed frames
     assert codecs.decompress("zst", streamed + streamed) == data + data
     del framed
+    # concatenated frames that do carry a content size
+    sized = zstandard.ZstdCompressor().compress(b"a" * 100) + zstandard.ZstdCompressor().compress(b"b" * 50)
+    assert codecs.decompress("zst", sized) == b"a" * 100 + b"b" * 50
 
 
 def test_unknown_codec_lists_choices():

@@ -90,7 +90,12 @@ def _zstd_decompress(data: Buffer) -> bytes:
     except zstandard.ZstdError as e:
         raise CodecError(f"not a zstd frame ({e})") from e
     if params.content_size and params.content_size != zstandard.CONTENTSIZE_UNKNOWN:
-        return dctx.decompress(data)
+        try:
+            return dctx.decompress(data, allow_extra_data=False)
+        except zstandard.ZstdError as e:
+            if "unused data" not in str(e):
+                raise
+        # more frames follow the first: the incremental path below goes through all of them
     # Streamed frames carry no content size (MLDataForge writes them): decompress incrementally, and
     # go on through concatenated frames.
     out = bytearray()
