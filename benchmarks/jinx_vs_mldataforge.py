@@ -34,6 +34,9 @@ import numpy as np
 import orjson
 from _synth import N_DEFAULT, synth_samples
 
+from torchforge import GlobalSampler
+from torchforge.datasets.jinx import JinxDataset
+
 
 def write_dataset(path: str, n: int, seed: int) -> None:
     from mldataforge.jinx import JinxDatasetWriter
@@ -72,9 +75,18 @@ def task_shuffle(ds: Any, perm: list[int]) -> int:
     return acc
 
 
+def first_message(s: Any) -> str:
+    return s["messages"][0]["content"]
+
+
 def task_sort(ds: Any) -> int:
-    keys = [s["messages"][0]["content"] for s in ds]
-    order = np.argsort(keys, kind="stable").tolist()
+    """Each reader's own sort path: MLDataForge's sort_permutation is np.argsort over the list of keys
+    (mldataforge/indexing.py); torchforge's is GlobalSampler(sort_key=...), which reads the keys with the
+    dataset's sequential key pass and orders string keys with Python's stable sort."""
+    if isinstance(ds, JinxDataset):
+        order = GlobalSampler(ds, shuffle=False, sort_key=first_message)
+    else:
+        order = np.argsort([first_message(s) for s in ds], kind="stable").tolist()
     acc = 0
     for i in order:
         acc += ds[i]["id"]
@@ -117,8 +129,6 @@ def main() -> None:
     args = ap.parse_args()
 
     from mldataforge.jinx import JinxDatasetReader
-
-    from torchforge.datasets.jinx import JinxDataset
 
     write_dataset(args.data, args.n, args.seed)
     mdf = JinxDatasetReader(args.data, lazy=True, mmap=True)

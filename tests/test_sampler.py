@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchforge._permute import EpochOrder, Permutation, mix64
+from torchforge.datasets.base import ShardDataset
 from torchforge.errors import TorchforgeError
 from torchforge.sampler import GlobalSampler, IterableShards, SamplerError
 
@@ -422,3 +423,28 @@ def test_as_the_sampler_of_torch_dataloader():
     assert len(loader) == 6
     got = [int(x) - 500 for batch in loader for x in batch]
     assert got == sampler.indices(0, len(sampler)).tolist() and len(got) == 34
+
+
+class _StrDataset(ShardDataset):
+    def __init__(self, keys):
+        self._k = keys
+
+    def __len__(self):
+        return len(self._k)
+
+    def _get(self, i):
+        return {"k": self._k[i]}
+
+    def shard_files(self):
+        return []
+
+
+@settings(max_examples=60, deadline=None)
+@given(keys=st.lists(st.sampled_from(["", "a", "ab", "b", "é", "漢", "a\u0301", "zz"]), max_size=40),
+       descending=st.booleans(), shard_dataset=st.booleans())
+def test_callable_string_sort_matches_array_sort(keys, descending, shard_dataset):
+    ds = _StrDataset(keys) if shard_dataset else [{"k": k} for k in keys]
+    by_fn = list(GlobalSampler(ds, shuffle=False, sort_key=lambda s: s["k"], descending=descending))
+    by_array = list(GlobalSampler(len(keys), shuffle=False, sort_key=np.array(keys, dtype=str),
+                                  descending=descending))
+    assert by_fn == by_array

@@ -86,7 +86,7 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         self.bucket_size = None if bucket_size is None else int(bucket_size)
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.drop_last = bool(drop_last)
-        self._ranked = None if sort_key is None else _argsort(_keys(dataset_or_len, sort_key, self.n), descending)
+        self._ranked = None if sort_key is None else _sort_order(dataset_or_len, sort_key, self.n, descending)
         self._digest: str | None = None
         self.epoch = 0
         self._start = 0  # global position where the current pass starts
@@ -354,24 +354,50 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
 
 
 def _keys(dataset: Any, sort_key: Any, n: int) -> np.ndarray:
-    if isinstance(sort_key, str) or callable(sort_key):
+    """Keys of a field name (through the dataset's cached key pass) or an array of keys."""
+    if isinstance(sort_key, str):
         if isinstance(dataset, ShardDataset):
             keys = dataset.keys(sort_key)
         elif isinstance(dataset, (int, np.integer)):
             raise SamplerError(f"sort_key={sort_key!r} needs a dataset to read keys from, got a length; "
                                "pass the dataset or an array of keys")
-        elif callable(sort_key):
-            keys = _to_key_array([sort_key(dataset[i]) for i in range(n)])
         else:
             parts = sort_key.split(".")
             keys = _to_key_array([_dig(dataset[i], parts, sort_key) for i in range(n)])
     else:
         keys = sort_key.numpy() if isinstance(sort_key, torch.Tensor) else np.asarray(sort_key)
+    return _checked(keys, n)
+
+
+def _checked(keys: np.ndarray, n: int) -> np.ndarray:
     if keys.ndim != 1 or len(keys) != n:
         raise SamplerError(f"sort keys must be one per sample: got shape {keys.shape} for {n} samples")
     if keys.dtype == object:
         raise SamplerError("sort keys must be numbers, strings or bytes (not Python objects)")
     return keys
+
+
+def _sort_order(dataset: Any, sort_key: Any, n: int, descending: bool) -> np.ndarray:
+    """The stable order by key (ties keep index order).
+
+    String keys of a callable are ordered by Python's sort on the list of keys: building a numpy string
+    array (UCS-4, padded to the longest key) costs several times more than the sort itself.
+    """
+    if not callable(sort_key) or isinstance(sort_key, (np.ndarray, torch.Tensor)):
+        return _argsort(_keys(dataset, sort_key, n), descending)
+    if isinstance(dataset, ShardDataset):
+        values = dataset.key_values(sort_key)
+    elif isinstance(dataset, (int, np.integer)):
+        raise SamplerError("a callable sort_key needs a dataset to read keys from, got a length; "
+                           "pass the dataset or an array of keys")
+    else:
+        values = [sort_key(dataset[i]) for i in range(n)]
+    if len(values) != n:
+        raise SamplerError(f"sort keys must be one per sample: got {len(values)} for {n} samples")
+    if all(type(v) is str for v in values):
+        order = sorted(range(n), key=values.__getitem__, reverse=descending)  # stable both ways
+        return np.fromiter(order, dtype=np.int64, count=n)
+    return _argsort(_checked(_to_key_array(values), n), descending)
 
 
 def _argsort(keys: np.ndarray, descending: bool) -> np.ndarray:

@@ -77,7 +77,7 @@ class ShardDataset(torch.utils.data.Dataset):
             A numpy array of ``len(self)`` keys: numeric, ``U`` for strings, ``S`` for bytes.
         """
         if callable(field_or_fn):
-            return _to_key_array([field_or_fn(self._get(i)) for i in range(len(self))])
+            return _to_key_array(self.key_values(field_or_fn))
         if not isinstance(field_or_fn, str):
             raise TypeError(f"keys() takes a field name or a callable, got {type(field_or_fn).__name__}")
         cache_path = self._key_cache_path(field_or_fn) if cache else None
@@ -94,6 +94,14 @@ class ShardDataset(torch.utils.data.Dataset):
         if cache_path:
             _save_atomic(cache_path, arr)
         return arr
+
+    def key_values(self, fn: Callable[[Any], Any]) -> list[Any]:
+        """``fn(sample)`` for every sample, in order, as a Python list (no array, no cache).
+
+        Formats override this to hand ``fn`` their cheapest lazy view of a sample.
+        """
+        get = self._get
+        return [fn(get(i)) for i in range(len(self))]
 
     def _key_cache_path(self, field: str) -> str | None:
         h = hashlib.sha256(f"{self.format_name}\0{field}".encode())

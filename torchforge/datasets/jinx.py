@@ -9,7 +9,7 @@ import glob
 import logging
 import os
 from bisect import bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Any
 
@@ -162,6 +162,12 @@ class JinxDataset(ShardDataset):
         shards = self._shards if self._shards is not None else self._open()
         on_error = self._skip if self.on_error == "skip" else None
         return chain.from_iterable(shard.iter_samples(self.lazy, on_error=on_error) for shard in shards)
+
+    def key_values(self, fn: Callable[[Any], Any]) -> list[Any]:
+        """``fn(sample)`` for every sample, read sequentially (the fast path) unless bad lines are skipped."""
+        if self.on_error == "skip":  # keep one key per index: skipped lines would shift the rest
+            return super().key_values(fn)
+        return [fn(s) for s in self]
 
     def _skip(self, err: TorchforgeError) -> None:
         self.skipped += 1
