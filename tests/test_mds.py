@@ -9,6 +9,7 @@ import os
 import pickle
 import shutil
 import struct
+import subprocess
 import sys
 import types
 from decimal import Decimal
@@ -529,3 +530,11 @@ def test_dataloader_spawn_workers_share_the_decompressed_cache(tmp_path):
     got = sorted(int(s["id"]) for s in loader)
     assert got == list(range(24))
     assert sorted(os.listdir(ds._cache_dir)) == sorted(f"{k:05}-{m.raw_basename}" for k, m in enumerate(ds.metas))
+
+
+def test_importing_torchforge_never_imports_streaming():
+    """Streaming is an optional extra: even torchforge.streaming imports it only in patch()."""
+    code = ("import sys, torchforge, torchforge.streaming, torchforge.datasets.mds, torchforge.formats.mds_reader\n"
+            "torchforge.MDSDataset, torchforge.MDSWriter, torchforge.streaming.is_patched()\n"
+            "assert not [m for m in sys.modules if m == 'streaming' or m.startswith('streaming.')], 'imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
