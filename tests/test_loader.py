@@ -139,7 +139,7 @@ def test_batch_contents_and_default_collate(no_leaks):
 
 
 def test_num_workers_zero_gives_the_same_batches(no_leaks):
-    kw = dict(shuffle=True, seed=3, drop_last=True)
+    kw = {"shuffle": True, "seed": 3, "drop_last": True}
     a = list(DataLoader(Samples(50), 8, num_workers=0, **kw))
     b = list(DataLoader(Samples(50), 8, num_workers=2, **kw))
     assert len(a) == len(b) == 6
@@ -246,7 +246,7 @@ def test_resume_mid_epoch_is_exact(workers, no_leaks):
     assert head + _ids(resumed) == full
     assert resumed.state_dict() == {"epoch": 1, "batch": 0}
     epoch1 = _ids(resumed)  # the next epoch is reshuffled, and a fresh loader resumed there agrees
-    assert epoch1 != full and sorted(sum(epoch1, [])) == list(range(97))
+    assert epoch1 != full and sorted(i for b in epoch1 for i in b) == list(range(97))
     other = make()
     other.load_state_dict({"epoch": 1, "batch": 0})
     assert _ids(other) == epoch1

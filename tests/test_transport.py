@@ -135,13 +135,13 @@ def test_tensors_are_views_of_the_slab_and_slab_is_released_on_gc(channel):
     assert np.array_equal(a, np.arange(1000, dtype=np.float64))
     del a
     assert pool.free_count == 1
-    sid, _ = pool.acquire()  # the freed slab is reused, not a new one
+    pool.acquire()  # the freed slab is reused, not a new one
     assert len(pool) == 1
 
 
 def test_collated_tensors_are_not_copied_again(channel):
     pool, writer = channel
-    sid, path = pool.acquire()
+    _, path = pool.acquire()
     arena = writer.begin(path)
     batch = default_collate([{"x": np.ones(1000, np.float32)} for _ in range(8)], arena)
     used_after_collate = arena.used

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import mmap
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch

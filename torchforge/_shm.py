@@ -23,11 +23,11 @@ import mmap
 import os
 import tempfile
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["Arena", "HeapArena", "SlabPool", "SlabWriter", "ALIGN"]
+__all__ = ["ALIGN", "Arena", "HeapArena", "SlabPool", "SlabWriter"]
 
 log = logging.getLogger(__name__)
 ALIGN = 64
@@ -56,7 +56,7 @@ def _memfd_ok() -> bool:
 
 
 class _Slab:
-    __slots__ = ("id", "fd", "path", "unlink", "mm", "mapped")
+    __slots__ = ("fd", "id", "mapped", "mm", "path", "unlink")
 
     def __init__(self, fd: int, path: str, unlink: bool):
         self.id = next(_ids)

@@ -19,7 +19,8 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import orjson
@@ -29,7 +30,7 @@ from torchforge._collate import default_collate
 from torchforge._shm import SlabWriter
 from torchforge._transport import encode
 
-__all__ = ["WorkerPool", "fetch", "choose_context"]
+__all__ = ["WorkerPool", "choose_context", "fetch"]
 
 
 def fetch(dataset: Any, indices: list[int], on_error: str) -> tuple[list, list]:

@@ -24,8 +24,8 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Iterable, Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from torchforge._collate import default_collate
 from torchforge._device import DeviceStage
@@ -247,7 +247,7 @@ class _Iter:
             except StopIteration:
                 self._exhausted = True
                 return
-            sid, path = self._pool.acquire()
+            sid, _ = self._pool.acquire()
             self._inflight[seq] = [-1, indices, sid, 0]
             self._issue(seq)
 
