@@ -314,3 +314,10 @@ def test_cuda_device_batches_match_host_batches(no_leaks):  # pragma: no cover -
     for h, d in zip(host, dev):
         assert d["image"]["data"].is_cuda and torch.equal(h["image"]["data"], d["image"]["data"].cpu())
         assert torch.equal(h["id"], d["id"].cpu())
+
+
+def test_worker_dying_on_the_last_batch_while_others_retire(tmp_path, no_leaks):
+    ds = Dying(64, at=63, marker=str(tmp_path / "late"))
+    got = _ids(DataLoader(ds, 4, num_workers=2, prefetch=2))
+    assert os.path.exists(tmp_path / "late")
+    assert got == _expected(list(range(64)), 4)

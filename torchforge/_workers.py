@@ -120,6 +120,7 @@ class WorkerPool:
         self.conns: list[Any] = [None] * n
         self.restarts = 0
         self.pending = [0] * n  # tasks sent and not answered, per worker
+        self.retired = [False] * n  # told to stop early: the epoch has no more work for it
         for w in range(n):
             self._start(w)
 
@@ -148,8 +149,9 @@ class WorkerPool:
         it died are returned too."""
         by_obj = {}
         for w, (c, p) in enumerate(zip(self.conns, self.procs)):
-            by_obj[c] = w
-            by_obj[p.sentinel] = w
+            if not self.retired[w]:  # a retired worker's exit is expected, not a death
+                by_obj[c] = w
+                by_obj[p.sentinel] = w
         ready = mp.connection.wait(list(by_obj), timeout)
         replies, dead = [], []
         for w in sorted({by_obj[r] for r in ready}):
@@ -176,18 +178,30 @@ class WorkerPool:
             old.join()
         self.conns[w].close()
         self.pending[w] = 0
+        self.retired[w] = False
         self.restarts += 1
         self._start(w)
+
+    def retire(self, w: int) -> None:
+        """Let an idle worker exit now, while the main process still consumes the last batches, so that
+        the end of an epoch does not wait for process exits."""
+        if not self.retired[w] and self.pending[w] == 0:
+            self.retired[w] = True
+            try:
+                self.conns[w].send_bytes(b"")
+            except OSError:
+                pass
 
     def close(self, grace: float = 0.5) -> None:
         """Stop every worker and close every pipe. Idle workers are asked to stop and given ``grace``
         seconds; workers still busy with tasks nobody will read (``break``, an error) are terminated at
         once: they hold nothing but their own mappings of slabs the main process owns."""
-        for c in self.conns:
-            try:
-                c.send_bytes(b"")
-            except OSError:
-                pass
+        for w, c in enumerate(self.conns):
+            if not self.retired[w]:
+                try:
+                    c.send_bytes(b"")
+                except OSError:
+                    pass
         deadline = time.monotonic() + (grace if not any(self.pending) else 0.0)
         for p in self.procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -238,6 +238,10 @@ class _Iter:
                 continue
             if not self._inflight:
                 raise StopIteration
+            if self._exhausted:
+                for w, load in enumerate(self._load):
+                    if load == 0:
+                        self._workers.retire(w)
             self._collect()
 
     def _fill(self) -> None:
@@ -253,7 +257,8 @@ class _Iter:
 
     def _issue(self, seq: int) -> None:
         entry = self._inflight[seq]
-        w = min(range(len(self._load)), key=self._load.__getitem__)
+        live = [w for w in range(len(self._load)) if not self._workers.retired[w]]
+        w = min(live, key=self._load.__getitem__)
         entry[0] = w
         self._load[w] += 1
         self._workers.send(w, [seq, self._pool.path(entry[2]), entry[1]])
