@@ -95,7 +95,7 @@ def test_writer_reproduces_fixture_bytes(tmp_path, name):
 
 # --- byte identity against Streaming's MDSWriter, in the same test ------------------------------------
 def _all_columns_rows(n, seed):
-    from PIL import Image
+    Image = pytest.importorskip("PIL.Image", reason="Pillow is not installed")
 
     rng = np.random.default_rng(seed)
     rows = []
@@ -510,7 +510,7 @@ def test_json_column_keeps_nan_and_big_ints(tmp_path):
 
 
 def test_image_column_decodes_to_pil(tmp_path):
-    from PIL import Image
+    Image = pytest.importorskip("PIL.Image", reason="Pillow is not installed")
 
     img = Image.new("L", (3, 2), 7)
     ds = MDSDataset(_write(str(tmp_path / "d"), [{"p": img, "q": io.BytesIO(b"raw").getvalue()}],
