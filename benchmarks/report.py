@@ -236,8 +236,8 @@ text turns, an incompressible 10-90 KiB "image" and an int id), written once per
 image as base64 text; JINX uses b64 with every value over 1 KiB in the `.binx` sidecar; MDS uses the columns
 `torchforge.convert.infer_mds_columns` picks (`id: int`, `image: bytes`, `messages: json`), 64 MiB shards.
 Every measurement runs in its own fresh process: imports happen before the clock starts, opening the dataset
-is timed. The page cache is warm (the data was just written and fits in RAM): this measures the readers'
-CPU cost, not the disk.
+is timed. The page cache is warm (every file of the folder is read once just before each measurement):
+this measures the readers' CPU cost, not the disk.
 
 * **iterate**: every sample, in the reader's own sequential order, fully decoded.
 * **shuffle**: `numpy.random.default_rng(seed).permutation(n)`, random access, every sample fully decoded.

@@ -471,6 +471,16 @@ def build(workdir: str, n: int, seed: int) -> dict:
     return meta
 
 
+def _warm(folder: str, files: dict[str, int]) -> None:
+    """Read every file of a dataset once, so that each measurement starts with the data in the page cache
+    (otherwise the first operation measured after other work pays for the disk, and the others do not)."""
+    buf = bytearray(16 * MIB)
+    for rel in files:
+        with open(os.path.join(folder, rel), "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
 def _link_copy(src: str, dst: str, files: dict[str, int]) -> None:
     """A hard-linked copy of a dataset folder: each reader gets its own, so that what it adds
     (Streaming decompresses shards next to them) or deletes (Streaming evicts shard files it cannot
@@ -503,6 +513,7 @@ def measure(row: Row, op: str, workdir: str, meta: dict, timeout: float) -> dict
     files = meta["files"][row.data]
     folder = os.path.join(workdir, "_scratch", row.data)
     _link_copy(os.path.join(workdir, row.data), folder, files)
+    _warm(folder, files)
     cmd = [py, os.path.abspath(__file__), "--child", "--workdir", workdir, "--folder", folder,
            "--adapter", row.adapter, "--op", op]
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONHASHSEED="0")
