@@ -183,3 +183,33 @@ def test_conversion_of_a_gigabyte_has_bounded_memory(tmp_path):
     # 17x the input: peak memory may not grow by more than a fixed 64 MiB (buffers, shard index)
     assert big_rss - small_rss < 64 << 20, (small_rss, big_rss)
     print(f'peak RSS {small_rss >> 20} MiB for {small_size >> 20} MiB, {big_rss >> 20} MiB for {big_size >> 20} MiB')
+
+
+def test_convert_to_safetensors_and_back(tmp_path, capsys):
+    import numpy as np
+
+    from torchforge.formats.jinx import JinxWriter
+
+    src = str(tmp_path / "j")
+    rows = [{"id": i, "image": bytes(range(i % 7 + 1)), "emb": np.full(4, i, np.float32)} for i in range(20)]
+    with JinxWriter(src, binary_threshold=4) as w:
+        for r in rows:
+            w.write(r)
+    dst = str(tmp_path / "st")
+    assert main(["convert", src, dst, "--to", "safetensors", "-q"]) == 0
+    got = _all(dst)
+    assert len(got) == 20
+    for r, g in zip(rows, got):
+        assert int(g["id"]) == r["id"]
+        assert bytes(np.asarray(g["image"]).tobytes()) == r["image"]  # bytes travel as uint8
+        assert np.array_equal(np.asarray(g["emb"]), r["emb"])
+
+
+def test_convert_to_safetensors_refuses_text_up_front(fixture_copy, tmp_path, capsys):
+    src = fixture_copy("mds-streaming-none")
+    dst = str(tmp_path / "st")
+    assert main(["convert", src, dst, "--to", "safetensors", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot be converted to safetensors (sample 0)" in err
+    assert "field 'messages'" in err or "field 'text'" in err  # MDS gives columns in sorted order
+    assert not os.path.exists(dst) or not os.listdir(dst)

@@ -20,6 +20,7 @@ _EXPORTS = {
     "MDSDataset": "torchforge.datasets.mds",
     "MDSWriter": "torchforge.formats.mds",
     "SafetensorsDataset": "torchforge.datasets.safetensors",
+    "SafetensorsShardWriter": "torchforge.datasets.safetensors",
     "TorchforgeError": "torchforge.errors",
     "load_safetensors": "torchforge.formats.safetensors",
     "open_dataset": "torchforge.datasets.base",
@@ -30,7 +31,13 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+_SUBMODULES = frozenset({"checkpoint", "cli", "codecs", "convert", "datasets", "errors", "formats", "loader",
+                         "sampler", "streaming"})
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:  # torchforge.streaming.patch() after a plain `import torchforge`
+        return importlib.import_module(f"torchforge.{name}")
     mod = _EXPORTS.get(name)
     if mod is None:
         raise AttributeError(f"module 'torchforge' has no attribute {name!r}")

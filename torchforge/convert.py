@@ -221,6 +221,47 @@ def _progress(total: int | None, desc: str):
                 disable=None)
 
 
+def _tensor_row(sample: Any, i: int) -> dict[str, Any]:
+    """A sample as safetensors columns: numbers, arrays and tensors as they are, bytes as uint8 arrays.
+
+    Raises:
+        FormatError: a field safetensors cannot hold (text, nested containers, None), named.
+    """
+    import torch
+
+    if not isinstance(sample, Mapping):
+        raise FormatError(f"sample {i} is a {type(sample).__name__}, safetensors shards need a mapping")
+    row = {}
+    for k, v in sample.items():
+        if isinstance(v, (bytes, bytearray, memoryview)):
+            v = np.frombuffer(v, dtype=np.uint8)
+        elif isinstance(v, (bool, int, float, np.generic)):
+            v = np.asarray(v)
+        elif not isinstance(v, (np.ndarray, torch.Tensor)) or getattr(v, "dtype", None) == object:
+            raise FormatError(f"field {k!r} cannot be converted to safetensors (sample {i}): it holds "
+                              f"{type(v).__name__}; safetensors shards hold numbers, arrays, tensors and bytes")
+        row[k] = v
+    return row
+
+
+class _TensorRows:
+    """Feeds a SafetensorsShardWriter rows converted by :func:`_tensor_row`."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer, self.i = writer, 0
+
+    def write(self, sample: Any) -> None:
+        self.writer.write(_tensor_row(sample, self.i))
+        self.i += 1
+
+    def __enter__(self) -> _TensorRows:
+        self.writer.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.writer.__exit__(*exc)
+
+
 def _writer(to: str, dst: str, start_pass: Callable[[ConversionStats], Iterable[Any]], options: dict[str, Any]):
     if to == "jinx":
         from torchforge.formats.jinx import JinxWriter
@@ -232,9 +273,11 @@ def _writer(to: str, dst: str, start_pass: Callable[[ConversionStats], Iterable[
         columns = options.pop("columns", None) or infer_mds_columns(start_pass(ConversionStats()))
         return MDSWriter(out=dst, columns=columns, **options)
     if to == "safetensors":
-        from torchforge.datasets.safetensors import SafetensorsWriter
+        from torchforge.datasets.safetensors import SafetensorsShardWriter
 
-        return SafetensorsWriter(dst, **options)
+        for i, sample in enumerate(start_pass(ConversionStats())):  # refuse before writing anything
+            _tensor_row(sample, i)
+        return _TensorRows(SafetensorsShardWriter(dst, **options))
     raise TorchforgeError(f"{to=} is not one of {list(TARGETS)}")
 
 
