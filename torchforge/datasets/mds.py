@@ -196,15 +196,15 @@ class MDSDataset(ShardDataset):
             if all(p is not None for p in parts):
                 return np.concatenate(parts)
             return super().keys(field_or_fn, cache=cache)
-        if callable(field_or_fn):
-            from torchforge.datasets.base import _to_key_array
-
-            out = []
-            for k in range(len(self.metas)):
-                shard = self._shard(k)
-                out.extend(field_or_fn(shard.lazy(j)) for j in range(shard.samples))
-            return _to_key_array(out)
         return super().keys(field_or_fn, cache=cache)
+
+    def key_values(self, fn: Callable[[Any], Any]) -> list[Any]:
+        """``fn`` of every sample's lazy view, so it decodes only the columns it looks at."""
+        out: list[Any] = []
+        for k in range(len(self.metas)):
+            shard = self._shard(k)
+            out.extend(fn(shard.lazy(j)) for j in range(shard.samples))
+        return out
 
     # --- lifetime and pickling (DataLoader workers) ----------------------------------------------
     def close(self) -> None:
