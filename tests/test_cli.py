@@ -13,7 +13,7 @@ from torchforge.datasets.base import open_dataset
 HERE = os.path.dirname(__file__)
 INTEROP = os.path.join(HERE, "fixtures", "interop")
 sys.path.insert(0, INTEROP)
-from expected import same  # noqa: E402
+from expected import same
 
 
 @pytest.fixture
@@ -103,7 +103,8 @@ def test_verify_names_file_and_offset_of_damage_jinx(fixture_copy, capsys):
     binx = os.path.join(path, "shard-00000.binx")
     _flip(binx, 20)  # inside the first sidecar value: stored raw, so decoding succeeds...
     shard = os.path.join(path, "shard-00000.jinx")
-    data = open(shard, "rb").read()
+    with open(shard, "rb") as f:
+        data = f.read()
     first_b64 = data.index(b'"arr.npy":"') + len(b'"arr.npy":"')
     with open(shard, "r+b") as f:  # ...but a broken base64 value in the body is caught
         f.seek(first_b64)
@@ -161,8 +162,7 @@ def _peak_rss_of_conversion(tmp_path, n_lines, tag):
     line = orjson.dumps({"id": 0, "text": payload, "meta": {"k": [1, 2, 3]}})
     with open(src, "wb") as f:
         chunk = (line + b"\n") * 1000
-        for _ in range(n_lines // 1000):
-            f.write(chunk)
+        f.writelines(chunk for _ in range(n_lines // 1000))
     code = ("import resource, sys; from torchforge.cli import main; "
             "rc = main(sys.argv[1:]); "
             "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")

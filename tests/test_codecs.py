@@ -2,7 +2,8 @@ import pickle
 
 import pytest
 import zstandard
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from torchforge import codecs
 from torchforge.errors import CodecError, TorchforgeError

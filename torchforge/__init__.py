@@ -28,7 +28,23 @@ _EXPORTS = {
     "save_safetensors": "torchforge.formats.safetensors",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Checkpointer",
+    "DataLoader",
+    "GlobalSampler",
+    "IterableShards",
+    "JinxDataset",
+    "JinxWriter",
+    "MDSDataset",
+    "MDSWriter",
+    "SafetensorsDataset",
+    "SafetensorsShardWriter",
+    "TorchforgeError",
+    "load_safetensors",
+    "open_dataset",
+    "register_format",
+    "save_safetensors",
+]
 
 
 _SUBMODULES = frozenset({"checkpoint", "cli", "codecs", "convert", "datasets", "errors", "formats", "loader",

@@ -6,7 +6,7 @@ from typing import Any
 
 from torchforge.errors import CorruptShardError, TorchforgeError
 
-__all__ = ["format_details", "format_checks"]
+__all__ = ["format_checks", "format_details"]
 
 
 def _jinx_details(ds: Any) -> dict[str, Any]:

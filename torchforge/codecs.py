@@ -12,8 +12,8 @@ import lzma
 import os
 import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torchforge.errors import CodecError
 

@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import orjson
@@ -42,7 +42,7 @@ class ConversionStats:
 
 # --- sources ----------------------------------------------------------------------------------------
 def _open_text_stream(path: str) -> io.BufferedIOBase:
-    raw = open(path, "rb")
+    raw = open(path, "rb")  # noqa: SIM115 - returned to the caller's `with`
     if path.endswith(".gz"):
         return gzip.GzipFile(fileobj=raw)
     if path.endswith((".zst", ".zstd")):
@@ -254,11 +254,11 @@ class _TensorRows:
         self.writer.write(_tensor_row(sample, self.i))
         self.i += 1
 
-    def __enter__(self) -> _TensorRows:
+    def __enter__(self) -> Self:
         self.writer.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> Any:
+    def __exit__(self, *exc: object) -> Any:
         return self.writer.__exit__(*exc)
 
 

@@ -23,7 +23,7 @@ import orjson
 import torch
 
 IMAGE_SHAPE = (16, 16, 3)
-WORDS = "the a cat dog sat on mat red blue green quick brown fox jumps over lazy".split()
+WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "red", "blue", "green", "quick", "brown", "fox", "jumps", "over", "lazy"]
 
 
 def write_jsonl(path: str, n: int, seed: int = 0) -> None:

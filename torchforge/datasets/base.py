@@ -17,7 +17,7 @@ import torch.utils.data
 
 from torchforge.errors import FormatError, TorchforgeError
 
-__all__ = ["ShardDataset", "KEY_CACHE_PREFIX"]
+__all__ = ["KEY_CACHE_PREFIX", "ShardDataset"]
 
 log = logging.getLogger(__name__)
 KEY_CACHE_PREFIX = ".torchforge-keys-"
@@ -200,7 +200,7 @@ def open_dataset(path: str | os.PathLike, **kwargs: Any) -> ShardDataset:
     if not os.path.exists(path):
         raise FormatError("no such file or folder", path=path)
     _load_builtins()
-    for name, (cls, detect) in _FORMATS.items():
+    for cls, detect in _FORMATS.values():
         if detect(path):
             return cls(path, **kwargs)
     raise FormatError(f"not a dataset of any known format ({sorted(_FORMATS)}): expected shard-NNNNN.jinx "
