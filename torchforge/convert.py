@@ -234,7 +234,7 @@ def _tensor_row(sample: Any, i: int) -> dict[str, Any]:
     row = {}
     for k, v in sample.items():
         if isinstance(v, (bytes, bytearray, memoryview)):
-            v = np.frombuffer(v, dtype=np.uint8)
+            v = np.frombuffer(bytearray(v), dtype=np.uint8)  # writable: torch wants that
         elif isinstance(v, (bool, int, float, np.generic)):
             v = np.asarray(v)
         elif not isinstance(v, (np.ndarray, torch.Tensor)) or getattr(v, "dtype", None) == object:
