@@ -213,3 +213,22 @@ def test_convert_to_safetensors_refuses_text_up_front(fixture_copy, tmp_path, ca
     assert "cannot be converted to safetensors (sample 0)" in err
     assert "field 'messages'" in err or "field 'text'" in err  # MDS gives columns in sorted order
     assert not os.path.exists(dst) or not os.listdir(dst)
+
+
+def test_convert_parquet_file_and_folder(tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow", reason="Parquet sources need the optional pyarrow extra")
+    import pyarrow.parquet as pq
+
+    rows = [{"id": i, "text": f"row {i} ✓", "blob": bytes([i % 256]) * (i % 5)} for i in range(2500)]
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows[:1200]), folder / "part-0.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[1200:]), folder / "part-1.parquet")
+    dst = str(tmp_path / "out")
+    assert main(["convert", str(folder), dst, "--to", "mds", "-q"]) == 0
+    got = _all(dst)
+    assert [g["id"] for g in got] == list(range(2500))
+    assert all(g["text"] == r["text"] and bytes(g["blob"]) == r["blob"] for g, r in zip(got, rows))
+    one = str(tmp_path / "one")
+    assert main(["convert", str(folder / "part-0.parquet"), one, "--to", "jinx", "-q"]) == 0
+    assert len(open_dataset(one)) == 1200
