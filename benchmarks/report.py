@@ -213,7 +213,7 @@ def plot_table(result: dict, out_dir: str) -> tuple[list[str], str]:
             x, y = r["peak_rss"] / table1.MIB, r["rate"]
             ax.scatter([x], [y], marker=markers.get(row["fmt"], "D"), s=60, zorder=3, label=label,
                        color=colors.get(row["reader"], "tab:purple"))
-            ax.annotate(str(k), (x, y), fontsize=8, xytext=(6, -10 + 8 * (k % 3)), textcoords="offset points")
+            ax.annotate(str(k), (x, y), fontsize=8, xytext=(7, -3), textcoords="offset points", va="center")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
         ax.set_xscale("log")
         ax.set_yscale("log")
