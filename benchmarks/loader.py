@@ -41,6 +41,15 @@ import numpy as np
 import torch
 
 BATCH, WORKERS = 64, 2
+PERSISTENT = False  # --persistent: every loader keeps its workers across epochs (one loader object each)
+
+
+def _factory(build: Callable[[], Any]) -> Callable[[], Any]:
+    """A fresh loader per epoch, or with --persistent one loader reused (its workers kept) every epoch."""
+    if not PERSISTENT:
+        return build
+    loader = build()
+    return lambda: loader
 
 
 def torch_collate(samples: list) -> dict[str, Any]:
@@ -127,14 +136,15 @@ def torchforge_loader(jinx: str, workers: int) -> Callable[[], Any]:
     from torchforge.loader import DataLoader
 
     ds = JinxDataset(jinx)
-    return lambda: DataLoader(ds, BATCH, num_workers=workers)
+    return _factory(lambda: DataLoader(ds, BATCH, num_workers=workers, persistent_workers=PERSISTENT))
 
 
 def torch_loader(jinx: str) -> Callable[[], Any]:
     from torchforge.datasets.jinx import JinxDataset
 
     ds = JinxDataset(jinx)
-    return lambda: torch.utils.data.DataLoader(ds, BATCH, num_workers=WORKERS, collate_fn=torch_collate)
+    return _factory(lambda: torch.utils.data.DataLoader(ds, BATCH, num_workers=WORKERS, collate_fn=torch_collate,
+                                                        persistent_workers=PERSISTENT))
 
 
 def streaming_loader(mds: str) -> Callable[[], Any]:
@@ -143,7 +153,8 @@ def streaming_loader(mds: str) -> Callable[[], Any]:
 
     clean_stale_shared_memory()
     ds = StreamingDataset(local=mds, shuffle=False, batch_size=BATCH)
-    return lambda: StreamingDataLoader(ds, batch_size=BATCH, num_workers=WORKERS, collate_fn=torch_collate)
+    return _factory(lambda: StreamingDataLoader(ds, batch_size=BATCH, num_workers=WORKERS, collate_fn=torch_collate,
+                                                persistent_workers=PERSISTENT))
 
 
 def mldataforge_epoch(jinx: str, n: int) -> dict[str, float] | str:
@@ -151,18 +162,22 @@ def mldataforge_epoch(jinx: str, n: int) -> dict[str, float] | str:
     python = os.path.join(ROOT, ".venv-mldf", "bin", "python")
     if not os.path.exists(python):
         return f"missing: {python} (tests/interop/setup_mldataforge.sh builds it)"
-    proc = subprocess.run([python, __file__, "--mldf", jinx, "--n", str(n)], capture_output=True, text=True, check=False)
+    cmd = [python, __file__, "--mldf", jinx, "--n", str(n)] + (["--persistent", "--epochs", "2"] if PERSISTENT else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         return "failed: " + (proc.stderr.strip().splitlines() or [""])[-1]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def mldf_child(jinx: str, n: int) -> None:
+def mldf_child(jinx: str, n: int, epochs: int) -> None:
     import lz4.frame  # noqa: F401  MLDataForge uses lz4.frame after a bare `import lz4`
     from mldataforge.jinx import JinxDatasetReader
 
     ds = JinxDatasetReader(jinx, lazy=True, mmap=True)
-    res = epoch(lambda: torch.utils.data.DataLoader(ds, BATCH, num_workers=WORKERS, collate_fn=torch_collate), n)
+    make = _factory(lambda: torch.utils.data.DataLoader(ds, BATCH, num_workers=WORKERS, collate_fn=torch_collate,
+                                                        persistent_workers=PERSISTENT))
+    # with --persistent the first epoch starts the workers and later ones reuse them: best of the epochs
+    res = max((epoch(make, n) for _ in range(epochs)), key=lambda r: r["samples_s"])
     print(json.dumps(res))
 
 
@@ -172,15 +187,19 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "torchforge-bench-loader"))
+    ap.add_argument("--persistent", action="store_true",
+                    help="every loader keeps its worker processes across epochs (persistent_workers=True)")
     ap.add_argument("--mldf", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global PERSISTENT
+    PERSISTENT = args.persistent
     if args.mldf:
-        mldf_child(args.mldf, args.n)
+        mldf_child(args.mldf, args.n, 1 if not PERSISTENT else args.epochs)
         return
     jinx, mds = write_data(f"{args.data}-{args.n}-{args.seed}", args.n, args.seed)
     mem = memcpy_gb_s()
     print(f"{args.n} samples, batch {BATCH}, best of {args.epochs} epochs (loaders take turns, epoch by epoch, "
-          f"so a busy machine hits them alike); memcpy on this machine: {mem:.1f} GB/s; "
+          f"so a busy machine hits them alike); persistent workers: {PERSISTENT}; memcpy on this machine: {mem:.1f} GB/s; "
           f"load average {os.getloadavg()} on {os.cpu_count()} cores", flush=True)
     loaders = {
         "torchforge.DataLoader, JinxDataset, 2 workers": torchforge_loader(jinx, WORKERS),

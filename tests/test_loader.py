@@ -14,6 +14,7 @@ import torch
 
 from torchforge.errors import WorkerError
 from torchforge.loader import DataLoader
+from torchforge.sampler import GlobalSampler
 
 
 class Samples:
@@ -321,3 +322,34 @@ def test_worker_dying_on_the_last_batch_while_others_retire(tmp_path, no_leaks):
     got = _ids(DataLoader(ds, 4, num_workers=2, prefetch=2))
     assert os.path.exists(tmp_path / "late")
     assert got == _expected(list(range(64)), 4)
+
+
+def test_persistent_workers_survive_epochs_and_stop_on_close(no_leaks):
+    ds = Samples(100)
+    sampler = GlobalSampler(100, shuffle=True, seed=3)
+    plain = DataLoader(ds, 8, sampler=GlobalSampler(100, shuffle=True, seed=3), num_workers=2)
+    loader = DataLoader(ds, 8, sampler=sampler, num_workers=2, persistent_workers=True)
+    want = [_ids(plain) for _ in range(3)]
+    got, pids = [], []
+    for _ in range(3):
+        got.append(_ids(loader))
+        pids.append(sorted(p.pid for p in loader._kept.workers.procs))
+    assert got == want and want[0] != want[1]  # same batches as without, epochs advance
+    assert pids[0] == pids[1] == pids[2]  # the same processes served every epoch
+    for pid in pids[0]:
+        assert os.path.exists(f"/proc/{pid}")
+    # leaving an epoch early with batches in flight stops them; the next epoch starts new ones
+    it = iter(loader)
+    next(it)
+    it.close()
+    assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+               for pid in pids[0])
+    assert _ids(loader) == _ids(plain)  # the interrupted epoch (the 4th) again, from its first batch
+    loader.close()
+    assert loader._kept is None
+
+
+def test_persistent_workers_released_when_loader_is_collected(no_leaks):
+    loader = DataLoader(Samples(40), 8, num_workers=2, persistent_workers=True)
+    assert [len(b) for b in _ids(loader)] == [8] * 5
+    del loader  # the no_leaks fixture checks that the workers and slabs are gone

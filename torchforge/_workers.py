@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection
+import gc
 import os
 import random
 import signal
@@ -56,6 +57,9 @@ def fetch(dataset: Any, indices: list[int], on_error: str) -> tuple[list, list]:
 def _worker_main(wid: int, conn: Any, dataset: Any, collate_fn: Callable | None, on_error: str, seed: int,
                  parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Objects inherited from the parent (torch, the dataset, ...) never become garbage here: keep the
+    # collector off them, so that collections stay cheap and do not touch (and copy) inherited pages.
+    gc.freeze()
     torch.set_num_threads(1)
     random.seed(seed + wid)
     np.random.seed((seed + wid) % 2**32)

@@ -65,6 +65,9 @@ class DataLoader:
             :class:`WorkerError` carrying the worker's traceback; ``"skip"`` leaves the failing sample out
             of its batch, counts it in :attr:`skipped` and logs it.
         max_retries: times one batch may be re-issued after its worker died before the loader raises.
+        persistent_workers: keep the worker processes, their memory maps and warm caches, and the slab
+            pool from one epoch to the next (stopped by :meth:`close` or when the loader is garbage
+            collected). An epoch left early with batches in flight stops them; the next epoch starts anew.
         multiprocessing_context: ``"fork"``, ``"spawn"`` or ``"forkserver"``; default fork on Linux while
             CUDA is not initialised (workers start in milliseconds and inherit the dataset's open memory
             maps), spawn otherwise (the dataset is pickled). Fork copies only the calling thread: if the
@@ -78,7 +81,8 @@ class DataLoader:
                  shuffle: bool = False, seed: int = 0, drop_last: bool = False, num_workers: int = 2,
                  collate_fn: Callable[[list], Any] | None = None, pin_memory: bool | None = None,
                  device: Any = None, prefetch: int = 4, timeout: float | None = None, on_error: str = "raise",
-                 max_retries: int = 3, multiprocessing_context: str | None = None):
+                 max_retries: int = 3, persistent_workers: bool = False,
+                 multiprocessing_context: str | None = None):
         if int(batch_size) < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         if int(num_workers) < 0:
@@ -103,6 +107,8 @@ class DataLoader:
         self.on_error = on_error
         self.max_retries = int(max_retries)
         self.multiprocessing_context = multiprocessing_context
+        self.persistent_workers = bool(persistent_workers) and self.num_workers > 0
+        self._kept: _Resources | None = None  # persistent_workers: what outlives one epoch
         self.skipped = 0  #: samples left out under on_error="skip", over the loader's lifetime
         self._state = {"epoch": 0, "batch": 0}  # position after the last batch yielded
         self._resume: dict[str, int] | None = None  # one-shot start set by load_state_dict / set_epoch
@@ -135,6 +141,24 @@ class DataLoader:
             raise ValueError(f"state {state!r} has a negative epoch or batch")
         self._resume = {"epoch": epoch, "batch": batch}
 
+    def close(self) -> None:
+        """Stop the iterator in progress and, with ``persistent_workers``, the kept workers."""
+        old = self._iterator() if self._iterator is not None else None
+        if old is not None:
+            old.close()
+        if self._kept is not None:
+            self._kept.finalizer()
+            self._kept = None
+
+    def _resources(self) -> _Resources:
+        """Workers, slab pool and device stage for one epoch, or the kept ones."""
+        if self._kept is not None and self._kept.finalizer.alive:
+            return self._kept
+        res = _Resources(self)
+        if self.persistent_workers:
+            self._kept = res
+        return res
+
     def __iter__(self) -> Iterator[Any]:
         old = self._iterator() if self._iterator is not None else None
         if old is not None:
@@ -147,6 +171,19 @@ class DataLoader:
         return it
 
 
+class _Resources:
+    """What an epoch runs on: the device stage and, with workers, the slab pool and the worker pool."""
+
+    def __init__(self, loader: DataLoader):
+        self.stage = DeviceStage(loader.device, loader.pin_memory)
+        self.pool = self.workers = None
+        if loader.num_workers > 0:
+            self.pool = SlabPool(on_map=self.stage.register)
+            self.workers = WorkerPool(loader.num_workers, choose_context(loader.multiprocessing_context),
+                                      loader.dataset, loader.collate_fn, loader.on_error, loader.seed)
+        self.finalizer = weakref.finalize(self, _shutdown, self.workers, self.pool, self.stage)
+
+
 class _Iter:
     """One epoch: host batches from workers (or in-process), then the device stage one batch ahead."""
 
@@ -157,15 +194,13 @@ class _Iter:
         if hasattr(loader.sampler, "set_epoch"):
             loader.sampler.set_epoch(epoch)
         self._plan = batches(loader.sampler, loader.batch_size, loader.drop_last, start)
-        self._stage = DeviceStage(loader.device, loader.pin_memory)
-        self._pool = self._workers = None
-        if loader.num_workers > 0:
-            self._pool = SlabPool(on_map=self._stage.register)
-            self._workers = WorkerPool(loader.num_workers, choose_context(loader.multiprocessing_context),
-                                       loader.dataset, loader.collate_fn, loader.on_error, loader.seed)
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._pool, self._stage)
+        self._res = res = loader._resources()
+        self._stage, self._pool, self._workers = res.stage, res.pool, res.workers
         self._inflight: dict[int, list] = {}  # seq -> [worker, indices, slab id, retries]
         self._done: dict[int, dict] = {}
+        # The epoch's end: kept resources survive it unless batches are still in flight or unread.
+        self._finalizer = weakref.finalize(self, _end_epoch, res, loader.persistent_workers, self._inflight,
+                                           self._done)
         self._next = start
         self._load = [0] * loader.num_workers
         self._exhausted = False
@@ -238,7 +273,7 @@ class _Iter:
                 continue
             if not self._inflight:
                 raise StopIteration
-            if self._exhausted:
+            if self._exhausted and not self._loader.persistent_workers:
                 for w, load in enumerate(self._load):
                     if load == 0:
                         self._workers.retire(w)
@@ -316,6 +351,11 @@ class _Iter:
             self._loader.skipped += len(skipped)
             for index, why in skipped:
                 log.warning("skipped sample %s: %s", index, why)
+
+
+def _end_epoch(res: _Resources, keep: bool, inflight: dict, done: dict) -> None:
+    if not keep or inflight or done:
+        res.finalizer()
 
 
 def _shutdown(workers: WorkerPool | None, pool: SlabPool | None, stage: DeviceStage) -> None:
