@@ -342,8 +342,12 @@ def test_persistent_workers_survive_epochs_and_stop_on_close(no_leaks):
     it = iter(loader)
     next(it)
     it.close()
-    assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-               for pid in pids[0])
+    for pid in pids[0]:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                assert f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+        except FileNotFoundError:
+            pass  # exited and reaped
     assert _ids(loader) == _ids(plain)  # the interrupted epoch (the 4th) again, from its first batch
     loader.close()
     assert loader._kept is None

@@ -11,9 +11,9 @@ main process owns Ctrl-C and shuts the pool down) and runs torch with one thread
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import multiprocessing.connection
-import gc
 import os
 import random
 import signal
