@@ -394,9 +394,9 @@ def _sort_order(dataset: Any, sort_key: Any, n: int, descending: bool) -> np.nda
         values = [sort_key(dataset[i]) for i in range(n)]
     if len(values) != n:
         raise SamplerError(f"sort keys must be one per sample: got {len(values)} for {n} samples")
-    if all(type(v) is str for v in values):
+    if n and set(map(type, values)) == {str}:
         order = sorted(range(n), key=values.__getitem__, reverse=descending)  # stable both ways
-        return np.fromiter(order, dtype=np.int64, count=n)
+        return np.array(order, dtype=np.int64)
     return _argsort(_checked(_to_key_array(values), n), descending)
 
 
