@@ -83,6 +83,22 @@ def test_fixture_reads_equal_to_generator(name):
 
 
 @pytest.mark.parametrize("name", MDS_FIXTURES)
+def test_bytes_columns_zero_copy_or_copied(name):
+    m = MANIFEST[name]
+    rows = list(mds_rows(m["n"], m["seed"]))
+    views = MDSDataset(os.path.join(FIXTURES, name))  # zero_copy=True by default
+    copies = MDSDataset(os.path.join(FIXTURES, name), zero_copy=False)
+    held = []
+    for i in (0, 7, len(rows) - 1):
+        v, c = views[i]["image"], copies[i]["image"]
+        assert type(v) is memoryview and v.readonly and type(c) is bytes
+        assert bytes(v) == c == rows[i]["image"]
+        held.append(v)
+    views.close()  # views still held: the map stays alive until they go, nothing breaks
+    assert [bytes(v) for v in held] == [rows[i]["image"] for i in (0, 7, len(rows) - 1)]
+
+
+@pytest.mark.parametrize("name", MDS_FIXTURES)
 def test_writer_reproduces_fixture_bytes(tmp_path, name):
     """Our writer, fed the generator's rows, writes the very bytes Streaming / MLDataForge wrote."""
     m = MANIFEST[name]

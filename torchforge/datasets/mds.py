@@ -45,6 +45,8 @@ class MDSDataset(ShardDataset):
         lazy: ``__getitem__`` returns a mapping that decodes each column on first lookup.
         allow_unsafe_types: decode ``pkl`` columns (runs pickle: only for data you trust).
         cache_dir: where decompressed shards go (default: a new folder under the system temp dir).
+        zero_copy: ``bytes`` columns come back as read-only memoryviews into the shard's map (or the
+            decompressed sample) instead of ``bytes`` copies; ``bytes(value)`` copies when needed.
 
     Raises:
         FormatError: no or bad index.json, a shard file missing or of the wrong size, a ``pkl``
@@ -54,7 +56,8 @@ class MDSDataset(ShardDataset):
     format_name = "mds"
 
     def __init__(self, path: str | os.PathLike, split: str | None = None, *, columns: list[str] | None = None,
-                 lazy: bool = False, allow_unsafe_types: bool = False, cache_dir: str | None = None) -> None:
+                 lazy: bool = False, allow_unsafe_types: bool = False, cache_dir: str | None = None,
+                 zero_copy: bool = True) -> None:
         folder = os.fspath(path)
         if os.path.basename(folder) == INDEX_BASENAME and os.path.isfile(folder):
             folder = os.path.dirname(folder)
@@ -63,6 +66,7 @@ class MDSDataset(ShardDataset):
         self.columns = None if columns is None else list(columns)
         self.lazy = lazy
         self.allow_unsafe_types = allow_unsafe_types
+        self.zero_copy = zero_copy
         self._cache_dir = cache_dir
         self._bounds = [0]
         for m in self.metas:
@@ -140,7 +144,7 @@ class MDSDataset(ShardDataset):
             if m.zip_basename is not None and path.endswith(m.zip_basename):
                 path = self._decompressed(k)
             shard = self._shards[k] = MDSShard(path, m, allow_unsafe_types=self.allow_unsafe_types,
-                                               columns=self.columns)
+                                               columns=self.columns, zero_copy=self.zero_copy)
         return shard
 
     # --- ShardDataset -----------------------------------------------------------------------------

@@ -123,6 +123,11 @@ def read_index(folder: str) -> list[ShardMeta]:
     return [parse_shard_entry(e, f"shards[{k}]", path) for k, e in enumerate(obj["shards"])]
 
 
+def _view(data: memoryview | bytes) -> memoryview:
+    """A ``bytes`` column without a copy: a read-only view of the sample's buffer."""
+    return data.toreadonly() if type(data) is memoryview else memoryview(data).toreadonly()
+
+
 class SampleDecoder:
     """Decodes one sample's bytes into a dict, checking every column size against the sample's length.
 
@@ -131,10 +136,12 @@ class SampleDecoder:
         path: the shard file, for error messages.
         allow_unsafe_types: decode ``pkl`` columns (runs pickle: only for data you trust).
         columns: decode only these columns (None: all).
+        zero_copy: ``bytes`` columns come back as read-only memoryviews of the sample's buffer (the
+            shard's map when it is not sample-compressed) instead of copies.
     """
 
     def __init__(self, meta: ShardMeta, path: str, *, allow_unsafe_types: bool = False,
-                 columns: list[str] | None = None) -> None:
+                 columns: list[str] | None = None, zero_copy: bool = False) -> None:
         self.path = path
         self.meta = meta
         self.per_sample = meta.compression is not None and meta.compression.per_sample
@@ -150,7 +157,8 @@ class SampleDecoder:
             if name in want and not enc.safe and not allow_unsafe_types:
                 raise FormatError(f"column {name!r} is {enc_name!r}, which runs pickle when read: pass "
                                   "allow_unsafe_types=True only for data you trust", path=path)
-            plan.append((name, enc.decode if name in want else None, size))
+            dec = _view if zero_copy and enc.name == "bytes" else enc.decode
+            plan.append((name, dec if name in want else None, size))
         self.plan = plan
         self.nvar = sum(size is None for size in meta.column_sizes)
         self.sizes_struct = struct.Struct(f"<{self.nvar}I")
@@ -217,12 +225,13 @@ class MDSShard:
     """
 
     def __init__(self, path: str, meta: ShardMeta, *, allow_unsafe_types: bool = False,
-                 columns: list[str] | None = None) -> None:
+                 columns: list[str] | None = None, zero_copy: bool = False) -> None:
         self.path = path
         self.meta = meta
         self.samples = meta.samples
         self._sample_codec = meta.compression if meta.compression and meta.compression.per_sample else None
-        self.decoder = SampleDecoder(meta, path, allow_unsafe_types=allow_unsafe_types, columns=columns)
+        self.decoder = SampleDecoder(meta, path, allow_unsafe_types=allow_unsafe_types, columns=columns,
+                                     zero_copy=zero_copy)
         self.encodings = self.decoder.encodings
         self.decode = self.decoder.decode
         fd = os.open(path, os.O_RDONLY)
