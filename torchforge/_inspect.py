@@ -27,9 +27,7 @@ def _jinx_details(ds: Any) -> dict[str, Any]:
 
 
 def _mds_details(ds: Any) -> dict[str, Any]:
-    from torchforge.formats.mds_reader import read_index
-
-    metas = read_index(ds.root)
+    metas = ds.metas  # index.json as the dataset read and checked it
     out: dict[str, Any] = {"shard count": len(metas)}
     if metas:
         out["columns"] = dict(zip(metas[0].column_names, metas[0].column_encodings))
@@ -47,11 +45,10 @@ def format_details(ds: Any) -> dict[str, Any]:
 def _mds_checks(ds: Any) -> list[TorchforgeError]:
     """Every shard file's hashes against index.json (Streaming writes them for both file forms)."""
     from torchforge.formats.mds import get_hash, hash_names
-    from torchforge.formats.mds_reader import read_index
 
     problems: list[TorchforgeError] = []
     known = set(hash_names())
-    for m in read_index(ds.root):
+    for m in ds.metas:
         for form in ("zip_data", "raw_data"):
             info = m.raw.get(form) or {}
             path = os.path.join(ds.root, info.get("basename", ""))

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchforge._inspect import format_checks, format_details
+from torchforge.convert import _materialize
 from torchforge.errors import TorchforgeError
 
 __all__ = ["main"]
@@ -31,11 +32,6 @@ def _num(text: str) -> Any:
         except ValueError:
             pass
     return text
-
-
-def _materialize(sample: Any) -> Any:
-    m = getattr(sample, "materialize", None)
-    return m() if callable(m) else sample
 
 
 def _describe(value: Any) -> str:
