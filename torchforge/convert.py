@@ -93,32 +93,33 @@ def _materialize(sample: Any) -> Any:
     return m() if callable(m) else sample
 
 
-def detect_source(path: str) -> str:
-    """Name the kind of a source path: ``jsonl``, ``parquet`` or a dataset format (``jinx``, ``mds``...)."""
+def _file_kind(path: str) -> str | None:
+    """``jsonl`` or ``parquet`` for such a source path, None for anything else (a dataset folder)."""
     base = path.lower()
     if os.path.isfile(path) and base.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".jsonl.zstd",
                                               ".ndjson")):
         return "jsonl"
     if base.endswith(".parquet") or (os.path.isdir(path) and any(f.endswith(".parquet") for f in os.listdir(path))):
         return "parquet"
-    from torchforge.datasets.base import open_dataset
-
-    return open_dataset(path).format_name
+    return None
 
 
-def open_source(path: str) -> tuple[str, Callable[[ConversionStats], Iterable[Any]]]:
-    """Return the source kind and a function that starts a fresh pass over its plain samples.
+def open_source(path: str) -> tuple[str, Callable[[ConversionStats], Iterable[Any]], int | None]:
+    """Return the source kind, a function that starts a fresh pass over its plain samples, and the sample
+    count when it is known up front (datasets).
 
-    The pass function takes the :class:`ConversionStats` that records skipped records.
+    The pass function takes the :class:`ConversionStats` that records skipped records. A dataset is
+    opened once; every pass iterates that one object.
     """
-    kind = detect_source(path)
+    kind = _file_kind(path)
     if kind == "jsonl":
-        return kind, lambda stats: iter_jsonl(path, stats)
+        return kind, lambda stats: iter_jsonl(path, stats), None
     if kind == "parquet":
-        return kind, lambda stats: _iter_parquet(path)
+        return kind, lambda stats: _iter_parquet(path), None
     from torchforge.datasets.base import open_dataset
 
-    return kind, lambda stats: (_materialize(s) for s in open_dataset(path))
+    ds = open_dataset(path)
+    return ds.format_name, lambda stats: (_materialize(s) for s in ds), len(ds)
 
 
 # --- MDS column inference ---------------------------------------------------------------------------
@@ -302,12 +303,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, progress
     if to not in TARGETS:
         raise TorchforgeError(f"{to=} is not one of {list(TARGETS)}")
     stats = ConversionStats(out=dst)
-    kind, start_pass = open_source(src)
-    total = None
-    if kind not in ("jsonl", "parquet"):
-        from torchforge.datasets.base import open_dataset
-
-        total = len(open_dataset(src))
+    kind, start_pass, total = open_source(src)
     bar = _progress(total, f"{kind} -> {to}") if progress else None
     with _writer(to, dst, start_pass, dict(options)) as w:
         for sample in start_pass(stats):
