@@ -363,3 +363,97 @@ def test_block_digest_streaming_and_what_it_detects():
     for d in damaged:
         assert digest(d) != whole
     assert digest(b"") != digest(bytes(8))
+
+
+def _small_direct_io(monkeypatch) -> list[int]:
+    """Direct I/O for every file, with blocks, runs and digest pieces small enough that a small model
+    spans many of each and tensors straddle their boundaries. Returns a list that counts the runs."""
+    import torchforge._ckpt_io as io
+
+    monkeypatch.setattr(io, "DIRECT_MIN", 0)
+    monkeypatch.setattr(io, "BLOCK", 64 << 10)
+    monkeypatch.setattr(io, "DIRECT_RUN", 16 << 10)
+    monkeypatch.setattr(io, "_SUM_PIECE", 8 << 10)
+    calls: list[int] = []
+    real = io._write_run_direct
+    monkeypatch.setattr(io, "_write_run_direct", lambda fd, off, views: calls.append(off) or real(fd, off, views))
+    return calls
+
+
+def _o_direct_works(folder: Path) -> bool:
+    if not getattr(os, "O_DIRECT", 0):
+        return False
+    try:
+        os.close(os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+    except OSError:
+        return False
+    os.unlink(folder / "probe")
+    return True
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_direct_io_writes_the_same_bytes_as_buffered_io(tmp_path, monkeypatch, blocking):
+    if not _o_direct_works(tmp_path):
+        pytest.skip("the test folder's filesystem refuses O_DIRECT")
+    calls = _small_direct_io(monkeypatch)
+    torch.manual_seed(3)
+    m = torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.Linear(53, 1001), torch.nn.Embedding(77, 9))
+    opt = torch.optim.AdamW(m.parameters())
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    roots = {d: tmp_path / ("direct" if d else "buffered") for d in (True, False)}
+    for direct, root in roots.items():
+        with Checkpointer(root, direct_io=direct) as ck:
+            ck.save(5, model=m, optimizer=opt, extra={"note": "x"}, blocking=blocking)
+            ck.wait()
+            ck.verify(5)
+    assert len(calls) > 20  # the direct path really ran, over many runs
+    a, b = (sorted(os.listdir(r / "step-00000005")) for r in roots.values())
+    assert a == b and len(a) >= 5
+    for name in a:
+        assert (roots[True] / "step-00000005" / name).read_bytes() == \
+            (roots[False] / "step-00000005" / name).read_bytes(), name
+    m2 = torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.Linear(53, 1001), torch.nn.Embedding(77, 9))
+    opt2 = torch.optim.AdamW(m2.parameters())
+    Checkpointer(roots[True]).restore(model=m2, optimizer=opt2)
+    assert _bitwise_equal(m.state_dict(), m2.state_dict())
+    assert _bitwise_equal(opt.state_dict()["state"], opt2.state_dict()["state"])
+
+
+def test_direct_io_falls_back_where_the_filesystem_refuses_it(tmp_path, monkeypatch):
+    calls = _small_direct_io(monkeypatch)
+    real_open = os.open
+
+    def refuse_direct(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", refuse_direct)
+    m, opt = _fresh()
+    _train(m, opt, range(2))
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, model=m, optimizer=opt)
+        ck.verify(1)
+    assert calls == []
+    m2, opt2 = _fresh(seed=1)
+    Checkpointer(tmp_path).restore(model=m2, optimizer=opt2)
+    assert _bitwise_equal(m.state_dict(), m2.state_dict())
+
+
+def test_a_damaged_block_written_with_direct_io_is_named(tmp_path, monkeypatch):
+    if not _o_direct_works(tmp_path):
+        pytest.skip("the test folder's filesystem refuses O_DIRECT")
+    _small_direct_io(monkeypatch)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(300, 200)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, model=m)
+        f = tmp_path / "step-00000001" / "model-00001-of-00001.safetensors"
+        data = bytearray(f.read_bytes())
+        data[150_000] ^= 0x10
+        f.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match="checksum mismatch") as e:
+            ck.verify(1)
+        assert e.value.path == str(f) and e.value.offset == 150_000 // (64 << 10) * (64 << 10)
