@@ -93,10 +93,19 @@ def _build_reader_class() -> type:
         def get_item(self, idx: int) -> dict[str, Any]:
             # One fstat per sample: a shard deleted behind our back (eviction by another worker, a user)
             # must raise FileNotFoundError as Streaming's reader does, so that Streaming fetches it again.
-            shard = self._open()
+            shard = self._shard
+            if shard is None or not os.fstat(self._fd).st_nlink:
+                shard = self._open()
             if not 0 <= idx < shard.samples:
                 raise IndexError(f"Relative sample index {idx} is not present in the {self.raw_data.basename} file.")
             return shard.get(idx)
+
+        def __getitem__(self, at: Any) -> Any:
+            # Streaming's get_item calls reader[i] for every sample: take ints straight to get_item
+            # (Array.__getitem__ also takes negative ints, slices, lists and arrays).
+            if type(at) is int and at >= 0:
+                return self.get_item(at)
+            return super().__getitem__(at)
 
         def __del__(self) -> None:
             with contextlib.suppress(Exception):  # half-built reader, or interpreter shutdown
