@@ -236,8 +236,15 @@ def test_lazy_sample_decodes_only_what_is_read(lazy_ds, monkeypatch):
     ds, _ = lazy_ds
     shard = ds.shards[0]
     calls = []
-    real = shard.decode
-    monkeypatch.setattr(shard, "decode", lambda k, v, o: calls.append(k) or real(k, v, o))
+    real = shard.decoder
+
+    def counting(raw_key, offset):  # every decode goes through a decoder the shard hands out
+        dec = real(raw_key, offset)
+        return lambda src, v, o: calls.append(raw_key) or dec(src, v, o)
+
+    monkeypatch.setattr(shard, "plans", {})
+    monkeypatch.setattr(shard, "_decoders", {})
+    monkeypatch.setattr(shard, "decoder", counting)
     s = ds[1]
     _ = s["id"], s["text"], s["tokens"]
     assert calls == []

@@ -8,23 +8,31 @@ or its memory maps, so it can cross process boundaries (DataLoader workers, mult
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
-__all__ = ["LazySample", "LazySource", "materialize"]
+__all__ = ["Decoder", "LazySample", "LazySource", "materialize"]
 
 _PLAIN = frozenset({str, int, float, bool, type(None)})
 _MISSING = object()
+_new = object.__new__
+
+
+# (source, stored value, byte offset of its record) -> decoded value. The source is an argument, not
+# bound in, so that a source's cache of decoders holds no reference cycle back to it.
+Decoder = Callable[[Any, Any, int], Any]
 
 
 class LazySource(Protocol):
     """What a :class:`LazySample` needs from the reader that parsed it."""
 
     ext_sep: str
-    aliases: dict[str, tuple[str, ...]]  # logical key -> raw keys seen for it (a per-reader cache)
+    # logical key -> ((raw key, its decoder), ...) for the raw keys seen for it: a per-reader cache
+    plans: dict[str, tuple[tuple[str, Decoder], ...]]
 
-    def decode(self, raw_key: str, value: Any, offset: int) -> Any:
-        """Decode ``value`` stored under ``raw_key`` in the record at byte ``offset``."""
+    def decoder(self, raw_key: str, offset: int) -> Decoder:
+        """The function that decodes values stored under ``raw_key`` (``offset``: of the record that
+        asks, for errors about the key itself, such as an unknown extension)."""
 
 
 class LazySample(Mapping):
@@ -57,23 +65,18 @@ class LazySample(Mapping):
         if type(key) is not str or src.ext_sep in key:
             raise KeyError(key)
         if v is _MISSING:
-            for raw_key in src.aliases.get(key, ()):
-                if raw_key in raw:
+            for raw_key, dec in src.plans.get(key, ()):
+                v = raw.get(raw_key, _MISSING)
+                if v is not _MISSING:
                     break
             else:
-                raw_key = self._raw_key(key)
-                if raw_key is None:
-                    raise KeyError(key)
-            v = src.decode(raw_key, raw[raw_key], self._off)
+                raw_key, dec = self._plan(key)
+                v = raw[raw_key]
+            v = dec(src, v, self._off)
         elif type(v) is dict:
             v = LazySample(v, src, self._off)
         elif type(v) is list:
-            off = self._off
-            for x in v:
-                if type(x) is dict or type(x) is list:
-                    v = [LazySample(x, src, off) if type(x) is dict else
-                         _wrap_list(x, src, off) if type(x) is list else x for x in v]
-                    break
+            v = _wrap_list(v, src, self._off)
         else:  # a plain value under a key with a "." (the shard's separator is another one)
             return v
         if done is None:
@@ -82,18 +85,26 @@ class LazySample(Mapping):
             done[key] = v
         return v
 
-    def _raw_key(self, key: str) -> str | None:
-        """The stored key (with extensions) of logical ``key``; remembers it in the source's aliases."""
-        raw = self._raw
+    def _plan(self, key: str) -> tuple[str, Decoder]:
+        """The stored key (with extensions) of logical ``key`` and its decoder, remembered in the
+        source's plans; KeyError if the record has no such key."""
+        raw_key = self._raw_key(key)
+        if raw_key is None:
+            raise KeyError(key)
         src = self._src
-        seen = src.aliases.get(key, ())
-        for cand in seen:
+        entry = (raw_key, src.decoder(raw_key, self._off))
+        src.plans[key] = (*src.plans.get(key, ()), entry)
+        return entry
+
+    def _raw_key(self, key: str) -> str | None:
+        """The stored key (with extensions) of logical ``key``, or None."""
+        raw = self._raw
+        for cand, _ in self._src.plans.get(key, ()):
             if cand in raw:
                 return cand
-        prefix = key + src.ext_sep
+        prefix = key + self._src.ext_sep
         for cand in raw:
             if cand.startswith(prefix):
-                src.aliases[key] = (*seen, cand)
                 return cand
         return None
 
@@ -127,13 +138,26 @@ class LazySample(Mapping):
 
 def _wrap_list(v: list, src: LazySource, offset: int) -> list:
     """A list with its dicts (at any depth) as lazy samples; the list itself if it holds none."""
-    for x in v:
-        t = type(x)
-        if t is dict or t is list:
-            return [LazySample(x, src, offset) if type(x) is dict else
-                    _wrap_list(x, src, offset) if type(x) is list else x for x in v]
-    return v
-
+    if not v or type(v[0]) is not dict:
+        for x in v:
+            if type(x) is dict or type(x) is list:
+                break
+        else:
+            return v
+    out = []
+    for x in v:  # lazy samples built in this frame without an __init__ call each (hot: chat turns)
+        if type(x) is dict:
+            s = _new(LazySample)
+            s._raw = x
+            s._src = src
+            s._off = offset
+            s._done = None
+            out.append(s)
+        elif type(x) is list:
+            out.append(_wrap_list(x, src, offset))
+        else:
+            out.append(x)
+    return out
 
 def materialize(value: Any) -> Any:
     """Turn lazy samples (also nested in lists and dicts) into plain dicts; memoryviews into bytes."""

@@ -25,6 +25,7 @@ __all__ = ["JinxDataset", "detect"]
 log = logging.getLogger(__name__)
 _loads = orjson.loads
 _JSONDecodeError = orjson.JSONDecodeError
+_new = object.__new__
 _ON_ERROR = ("raise", "skip")
 
 
@@ -69,13 +70,14 @@ class JinxDataset(ShardDataset):
                  split: str | None = None, on_error: str = "raise") -> None:
         if on_error not in _ON_ERROR:
             raise ValueError(f"on_error={on_error!r} is not one of {list(_ON_ERROR)}")
+        self._shards: list[JinxShard] | None = None
         self.lazy = bool(lazy)
         self.split = split
         self.on_error = on_error
         self.skipped = 0
         self._all_paths = _shard_paths(path_or_paths)  # never empty: _shard_paths raises first
         shards = [JinxShard(p) for p in self._all_paths]
-        self._shards: list[JinxShard] | None = [s for s in shards if self._wanted(s)]
+        self._set_shards([s for s in shards if self._wanted(s)])
         self._paths = [s.path for s in self._shards]
         self._counts = [s.num_samples for s in self._shards]
         self._starts: list[int] = []
@@ -87,13 +89,28 @@ class JinxDataset(ShardDataset):
             self._ends.append(total)
         self._n = total
 
+    @property
+    def lazy(self) -> bool:
+        """Whether samples are :class:`~torchforge.lazy.LazySample` mappings (else plain dicts)."""
+        return self._lazy
+
+    @lazy.setter
+    def lazy(self, value: bool) -> None:
+        self._lazy = bool(value)
+        self._set_shards(self._shards)
+
+    def _set_shards(self, shards: list[JinxShard] | None) -> None:
+        self._shards = shards
+        # the shard random access reads directly: set when there is one and samples are lazy
+        self._one = shards[0] if shards is not None and len(shards) == 1 and self._lazy else None
+
     def _wanted(self, shard: JinxShard) -> bool:
         return self.split is None or shard.split == self.split
 
     # --- pickling: no maps, re-opened on first use ------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_shards"] = None
+        state["_shards"] = state["_one"] = None
         return state
 
     def _open(self) -> list[JinxShard]:
@@ -104,7 +121,7 @@ class JinxDataset(ShardDataset):
                 raise FormatError(f"shard changed since the dataset was opened: it held {count} samples, "
                                   f"now {shard.num_samples}", path=path)
             shards.append(shard)
-        self._shards = shards
+        self._set_shards(shards)
         return shards
 
     # --- ShardDataset ---------------------------------------------------------------------------------
@@ -132,9 +149,22 @@ class JinxDataset(ShardDataset):
     def _get(self, i: int) -> Any:
         shards = self._shards if self._shards is not None else self._open()
         s = bisect_right(self._ends, i)
-        return shards[s].sample(i - self._starts[s], self.lazy)
+        return shards[s].sample(i - self._starts[s], self._lazy)
 
     def __getitem__(self, i: int) -> Any:  # the base class's contract, inlined: this is the hot path
+        shard = self._one
+        if shard is not None and type(i) is int and 0 <= i < self._n:  # one shard, lazy samples
+            offs = shard._offs
+            start = offs[i]
+            try:
+                obj = _loads(shard._mm[start:offs[i + 1]])
+            except _JSONDecodeError:
+                obj = None
+            if type(obj) is dict:  # LazySample(obj, shard, start), without the __init__ frame
+                s = _new(LazySample)
+                s._raw, s._src, s._off, s._done = obj, shard, start, None
+                return s
+            return shard.sample(i)  # raises, naming the problem
         i = i if type(i) is int else int(i)
         n = self._n
         if i < 0:
@@ -143,31 +173,28 @@ class JinxDataset(ShardDataset):
             raise IndexError(f"index {i} out of range for JinxDataset of {n} samples")
         shards = self._shards if self._shards is not None else self._open()
         if len(shards) == 1:
-            shard = shards[0]
-        else:
-            s = bisect_right(self._ends, i)
-            shard, i = shards[s], i - self._starts[s]
-        if self.lazy:  # JinxShard.sample inlined (one frame less); bad lines go the long way to their error
-            offs = shard._offs
-            start = offs[i]
-            try:
-                obj = _loads(shard._mm[start:offs[i + 1]])
-            except _JSONDecodeError:
-                obj = None
-            if type(obj) is dict:
-                return LazySample(obj, shard, start)
-        return shard.sample(i, self.lazy)
+            return shards[0].sample(i, self._lazy)
+        s = bisect_right(self._ends, i)
+        return shards[s].sample(i - self._starts[s], self._lazy)
 
     def __iter__(self) -> Iterator[Any]:
         shards = self._shards if self._shards is not None else self._open()
         on_error = self._skip if self.on_error == "skip" else None
+        if len(shards) == 1:
+            return shards[0].iter_samples(self.lazy, on_error=on_error)
         return chain.from_iterable(shard.iter_samples(self.lazy, on_error=on_error) for shard in shards)
 
     def key_values(self, fn: Callable[[Any], Any]) -> list[Any]:
         """``fn(sample)`` for every sample, read sequentially (the fast path) unless bad lines are skipped."""
         if self.on_error == "skip":  # keep one key per index: skipped lines would shift the rest
             return super().key_values(fn)
-        return [fn(s) for s in self]
+        if not self.lazy:
+            return [fn(s) for s in self]
+        shards = self._shards if self._shards is not None else self._open()
+        out: list[Any] = []
+        for shard in shards:
+            out += shard.key_values(fn)
+        return out
 
     def _skip(self, err: TorchforgeError) -> None:
         self.skipped += 1

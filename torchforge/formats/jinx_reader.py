@@ -33,12 +33,13 @@ from torchforge.formats.jinx_codec import (
     load_pt,
     unzstd,
 )
-from torchforge.lazy import LazySample
+from torchforge.lazy import Decoder, LazySample
 
 __all__ = ["JinxShard", "sidecar_path"]
 
 _MAX_FOOTER_DIGITS = 20
 _JSONDecodeError = orjson.JSONDecodeError
+_new = object.__new__
 
 
 def sidecar_path(path: str) -> str:
@@ -70,14 +71,15 @@ class JinxShard:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
         self.bin_path = sidecar_path(self.path)
-        self.aliases: dict[str, tuple[str, ...]] = {}
-        self._plans: dict[str, tuple[Any, ...]] = {}
+        self.plans: dict[str, tuple[tuple[str, Decoder], ...]] = {}  # logical key -> raw keys, decoders
+        self._decoders: dict[str, Decoder] = {}
         try:
             self._mm, self._mv = _mmap_file(self.path)
         except OSError as e:
             raise FormatError(f"cannot open JINX shard ({e.strerror or e})", path=self.path) from e
         self._bin_mv: memoryview | None = None
         self._bin_mm: Any = None
+        self._bin_size = -1  # until the sidecar is opened
         self._read_footer()
 
     # --- footer and index ----------------------------------------------------------------------------
@@ -194,6 +196,7 @@ class JinxShard:
                              offset) from None
         except OSError as e:
             raise self._fail(f"cannot open the sidecar ({e.strerror or e})", None, self.bin_path) from e
+        self._bin_size = len(self._bin_mv)
         return self._bin_mv
 
     # --- lines -----------------------------------------------------------------------------------------
@@ -212,36 +215,96 @@ class JinxShard:
     def iter_samples(self, lazy: bool = True, start: int = 0,
                      on_error: Callable[[TorchforgeError], None] | None = None) -> Iterator[Any]:
         """Samples ``start..num_samples-1`` in order; ``on_error`` (if given) takes a bad line's error."""
-        offs, mm, loads, n, lazy_sample = self._offs, self._mm, orjson.loads, self.num_samples, LazySample
+        offs, mm, loads, n, new = self._offs, self._mm, orjson.loads, self.num_samples, _new
         prev = offs[start] if start < n else 0
         for j in range(start + 1, n + 1):
             end = offs[j]
             try:
                 obj = loads(mm[prev:end])
-                if type(obj) is not dict:
-                    raise self._fail(f"sample {j - 1} is a JSON {type(obj).__name__}, expected an object", prev)
-                out = lazy_sample(obj, self, prev) if lazy else self.eager(obj, prev)
             except _JSONDecodeError as e:
+                err = self._fail(f"sample {j - 1} is not a JSON line ({e})", prev)
                 if on_error is None:
-                    raise self._fail(f"sample {j - 1} is not a JSON line ({e})", prev) from None
-                on_error(self._fail(f"sample {j - 1} is not a JSON line ({e})", prev))
+                    raise err from None
+                on_error(err)
                 prev = end
                 continue
-            except TorchforgeError as e:
-                if on_error is None:
-                    raise
-                on_error(e)
-                prev = end
-                continue
+            if lazy and type(obj) is dict:  # LazySample(obj, self, prev), without the __init__ frame
+                out = new(LazySample)
+                out._raw, out._src, out._off, out._done = obj, self, prev, None
+            else:
+                try:
+                    if type(obj) is not dict:
+                        raise self._fail(f"sample {j - 1} is a JSON {type(obj).__name__}, expected an object",
+                                         prev)
+                    out = self.eager(obj, prev)
+                except TorchforgeError as e:
+                    if on_error is None:
+                        raise
+                    on_error(e)
+                    prev = end
+                    continue
             prev = end
             yield out
+
+    def key_values(self, fn: Callable[[Any], Any]) -> list[Any]:
+        """``fn(sample)`` of every (lazy) sample in order: the sequential key pass, in one frame."""
+        offs, mm, loads, new = self._offs, self._mm, orjson.loads, _new
+        out: list[Any] = []
+        prev = 0
+        for j in range(1, self.num_samples + 1):
+            end = offs[j]
+            try:
+                obj = loads(mm[prev:end])
+            except _JSONDecodeError:
+                obj = None
+            if type(obj) is not dict:
+                self.sample(j - 1)  # raises, naming the problem
+            s = new(LazySample)
+            s._raw, s._src, s._off, s._done = obj, self, prev, None
+            out.append(fn(s))
+            prev = end
+        return out
 
     # --- values ------------------------------------------------------------------------------------
     def decode(self, raw_key: str, value: Any, offset: int) -> Any:
         """Decode ``value`` stored under ``raw_key`` (extensions included) in the line at ``offset``."""
-        plan = self._plans.get(raw_key)
-        if plan is None:
-            plan = self._plan(raw_key, offset)
+        dec = self._decoders.get(raw_key)
+        if dec is None:
+            dec = self.decoder(raw_key, offset)
+        return dec(self, value, offset)
+
+    def decoder(self, raw_key: str, offset: int) -> Decoder:
+        """The decoder of values stored under ``raw_key``: ``decoder(shard, value, offset)``, cached.
+
+        Raises FormatError for a key with unknown or misplaced extensions (``offset``: the line's).
+        """
+        dec = self._decoders.get(raw_key)
+        if dec is not None:
+            return dec
+        plan = self._plan(raw_key, offset)
+        scalar, from_bin, codecs, ser = plan
+        if scalar is not None:
+            def dec(shard: JinxShard, value: Any, offset: int) -> Any:
+                return shard._scalar(raw_key, scalar, value, offset)
+        elif from_bin and not codecs and ser == "raw":
+            dec = _raw_sidecar_view
+        elif not from_bin and self._b64 and codecs == ("zst",) and ser == "str":
+            def dec(shard: JinxShard, value: Any, offset: int) -> Any:  # inline compressed text
+                if type(value) is str:
+                    try:
+                        return str(unzstd(a2b_base64(value, strict_mode=True), shard.path, offset), "utf-8")
+                    except ValueError:  # bad base64 or UTF-8: the general path names the problem
+                        pass
+                return shard._decode_with(raw_key, plan, value, offset)
+        else:
+            def dec(shard: JinxShard, value: Any, offset: int) -> Any:
+                return shard._decode_with(raw_key, plan, value, offset)
+        if len(self._decoders) < 4096:
+            self._decoders[raw_key] = dec
+        return dec
+
+    def _decode_with(self, raw_key: str, plan: tuple[Any, ...], value: Any, offset: int) -> Any:
+        """Decode ``value`` with the :meth:`_plan` of its key (the general path, and every error)."""
         scalar, from_bin, codecs, ser = plan
         if scalar is not None:
             return self._scalar(raw_key, scalar, value, offset)
@@ -282,7 +345,7 @@ class JinxShard:
             raise self._fail(f"value of {raw_key!r} is not valid {self.encoding} text ({e})", offset) from None
 
     def _plan(self, raw_key: str, offset: int) -> tuple[str | None, bool, tuple[str, ...], str | None]:
-        """How to decode a key, cached: (numpy scalar dtype, from sidecar, codecs outermost first,
+        """How to decode a key: (numpy scalar dtype, from sidecar, codecs outermost first,
         serialization or None for JSON)."""
         exts = raw_key.split(self.ext_sep)[1:]
         if len(exts) == 1 and exts[0] in SCALAR_DTYPES:
@@ -302,8 +365,6 @@ class JinxShard:
                 raise FormatError(f"key {raw_key!r}: numpy scalar extension {ser!r} on binary data",
                                   path=self.path, offset=offset)
             plan = (None, from_bin, tuple(reversed(codecs)), ser)
-        if len(self._plans) < 4096:
-            self._plans[raw_key] = plan
         return plan  # type: ignore[return-value]
 
     def _deserialize(self, raw_key: str, ext: str, data: Any, zero_copy: bool, offset: int) -> Any:
@@ -354,3 +415,18 @@ class JinxShard:
         """Drop the memory maps (they close once no view into them is alive)."""
         self._mv = self._bin_mv = None  # type: ignore[assignment]
         self._mm = self._bin_mm = None
+        self._bin_size = -1
+
+
+def _raw_sidecar_view(shard: JinxShard, loc: Any, offset: int) -> memoryview:
+    """Decoder of an uncompressed sidecar value (``name.raw.bin``): a zero-copy view into the map.
+
+    The hot path of images; anything unusual (sidecar not open yet, a bad reference) goes through
+    :meth:`JinxShard.sidecar`, which opens the sidecar or raises naming the problem.
+    """
+    if type(loc) is dict:
+        o = loc.get("offset")
+        n = loc.get("length")
+        if type(o) is int and type(n) is int and 0 <= o <= o + n <= shard._bin_size:
+            return shard._bin_mv[o:o + n]  # type: ignore[index]
+    return shard.sidecar(loc, offset)
