@@ -285,6 +285,28 @@ def test_keys_pass_over_a_text_field(lazy_ds):
     assert list(keys) == [s["meta"]["source"] for s in samples]
 
 
+def test_key_pass_samples_stay_valid_when_the_key_function_keeps_them(lazy_ds):
+    ds, samples = lazy_ds
+    kept = {}
+
+    def key(s):  # keeps every third sample, and a bound method of every fifth
+        if s["id"] % 3 == 0:
+            kept[s["id"]] = s
+        if s["id"] % 5 == 0:
+            kept[-1 - s["id"]] = s.get
+        return s["meta"]["source"]
+
+    assert ds.key_values(key) == [s["meta"]["source"] for s in samples]
+    assert len(kept) == len(range(0, len(samples), 3)) + len(range(0, len(samples), 5))
+    for i, s in kept.items():
+        if i >= 0:
+            assert same(samples[i], s) == "", i
+        else:
+            assert s("id") == -1 - i
+    assert ds.key_values(lambda s: s) is not None  # the samples themselves as keys
+    assert [same(exp, got) for exp, got in zip(samples, ds.key_values(lambda s: s))] == [""] * len(samples)
+
+
 def test_writer_accepts_lazy_samples(tmp_path, lazy_ds):
     ds, samples = lazy_ds
     _write(tmp_path / "copy", list(ds), encoding="hex", binary_threshold=100)

@@ -162,7 +162,10 @@ class JinxDataset(ShardDataset):
                 obj = None
             if type(obj) is dict:  # LazySample(obj, shard, start), without the __init__ frame
                 s = _new(LazySample)
-                s._raw, s._src, s._off, s._done = obj, shard, start, None
+                s._raw = obj
+                s._src = shard
+                s._off = start
+                s._done = None
                 return s
             return shard.sample(i)  # raises, naming the problem
         i = i if type(i) is int else int(i)

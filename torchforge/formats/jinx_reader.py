@@ -16,6 +16,7 @@ import mmap
 import os
 from binascii import a2b_base64
 from collections.abc import Callable, Iterator
+from sys import getrefcount
 from typing import Any
 
 import numpy as np
@@ -217,12 +218,11 @@ class JinxShard:
         """Samples ``start..num_samples-1`` in order; ``on_error`` (if given) takes a bad line's error."""
         offs, mm, loads, n, new = self._offs, self._mm, orjson.loads, self.num_samples, _new
         prev = offs[start] if start < n else 0
-        for j in range(start + 1, n + 1):
-            end = offs[j]
+        for end in offs[start + 1:n + 1]:
             try:
                 obj = loads(mm[prev:end])
             except _JSONDecodeError as e:
-                err = self._fail(f"sample {j - 1} is not a JSON line ({e})", prev)
+                err = self._fail(f"sample {self._index_at(prev)} is not a JSON line ({e})", prev)
                 if on_error is None:
                     raise err from None
                 on_error(err)
@@ -230,12 +230,15 @@ class JinxShard:
                 continue
             if lazy and type(obj) is dict:  # LazySample(obj, self, prev), without the __init__ frame
                 out = new(LazySample)
-                out._raw, out._src, out._off, out._done = obj, self, prev, None
+                out._raw = obj
+                out._src = self
+                out._off = prev
+                out._done = None
             else:
                 try:
                     if type(obj) is not dict:
-                        raise self._fail(f"sample {j - 1} is a JSON {type(obj).__name__}, expected an object",
-                                         prev)
+                        raise self._fail(f"sample {self._index_at(prev)} is a JSON {type(obj).__name__}, "
+                                         "expected an object", prev)
                     out = self.eager(obj, prev)
                 except TorchforgeError as e:
                     if on_error is None:
@@ -251,19 +254,31 @@ class JinxShard:
         offs, mm, loads, new = self._offs, self._mm, orjson.loads, _new
         out: list[Any] = []
         prev = 0
-        for j in range(1, self.num_samples + 1):
-            end = offs[j]
+        # One LazySample serves line after line as long as fn keeps no reference to it: its reference
+        # count is then the same as when it was new (only this frame holds it).
+        s: LazySample | None = None
+        unshared = 0
+        for end in offs[1:]:
             try:
                 obj = loads(mm[prev:end])
             except _JSONDecodeError:
                 obj = None
             if type(obj) is not dict:
-                self.sample(j - 1)  # raises, naming the problem
-            s = new(LazySample)
-            s._raw, s._src, s._off, s._done = obj, self, prev, None
+                self.sample(self._index_at(prev))  # raises, naming the problem
+            if s is None or getrefcount(s) != unshared:  # fn kept the last one: a new one
+                s = new(LazySample)  # LazySample(obj, self, prev), without the __init__ frame
+                s._src = self
+                unshared = getrefcount(s)  # measured, not assumed: interpreters count differently
+            s._raw = obj
+            s._off = prev
+            s._done = None
             out.append(fn(s))
             prev = end
         return out
+
+    def _index_at(self, offset: int) -> int:
+        """The sample whose line starts at byte ``offset`` (for error messages)."""
+        return int(np.searchsorted(self.offsets, offset))
 
     # --- values ------------------------------------------------------------------------------------
     def decode(self, raw_key: str, value: Any, offset: int) -> Any:
