@@ -140,3 +140,25 @@ def test_patched_reader_notices_a_deleted_shard(tmp_path):
     os.remove(shard0)
     assert same(rows[1], ds[1]) == ""
     assert os.path.exists(shard0)
+
+
+def test_patched_reader_keeps_a_bounded_number_of_shards_mapped(tmp_path, monkeypatch):
+    """Beyond MAX_OPEN_SHARDS maps (two descriptors each) the least recently opened unused map is
+    closed and reopened on its next access: datasets of thousands of shards stay under the fd limit."""
+    tfs.patch()
+    monkeypatch.setattr(tfs, "MAX_OPEN_SHARDS", 3)
+    rows = list(mds_rows(60, 21))
+    src = _write(str(tmp_path / "src"), rows, size_limit=1 << 13)
+    ds = _dataset(tmp_path, src)
+    assert len(ds.shards) >= 8
+    order = np.random.default_rng(0).permutation(len(rows)).tolist() * 2
+    most = 0
+    for i in order:
+        assert same(rows[i], ds[i]) == ""
+        most = max(most, sum(r._shard is not None for r in ds.shards))
+    assert most == 3  # the budget was reached and never exceeded
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    for r in ds.shards:
+        r._close()
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) <= fds - 6  # the three maps held two descriptors each

@@ -10,20 +10,70 @@ because Streaming's ``stream.py`` and ``local.py`` import that function by name.
 Streaming's own ``MDSReader``, so eviction, ``set_up_local``, sizes and ``validate`` behave exactly as
 Streaming's; sample access goes through one memory map per shard instead of an ``open()`` per sample,
 and per-sample compression (``"compression": "sample::zstd"``, MLDataForge's layout) becomes readable.
+A process keeps at most :data:`MAX_OPEN_SHARDS` shards mapped (each holds two file descriptors):
+beyond that the map least recently opened and not used since the last sweep is closed (a "clock"),
+and reopened on its next access, so datasets of many thousands of shards stay within the process's
+file descriptor and memory-map limits.
 :func:`unpatch` restores Streaming's reader. Importing this module does not import Streaming;
 :func:`patch` does.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import resource
 import threading
+import weakref
 from typing import Any
 
 # MDSStreamingReader is reachable as an attribute too (built on first use, see __getattr__).
 __all__ = ["is_patched", "patch", "unpatch"]
 
 _lock = threading.Lock()
+
+
+def _max_open_shards() -> int:
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):  # pragma: no cover - not on every platform
+        soft = 1024
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 16
+    return max(16, min(4096, soft // 4))  # two descriptors per map, half the limit left to the rest
+
+
+MAX_OPEN_SHARDS = _max_open_shards()
+_opened: collections.deque[weakref.ref] = collections.deque()  # readers in the order they mapped
+_opened_lock = threading.Lock()
+
+
+def _admit(reader: Any) -> None:
+    """Record that ``reader`` mapped its shard; close others' maps beyond :data:`MAX_OPEN_SHARDS`.
+
+    Each reader has at most one entry (``_admitted``); a reader closed by eviction keeps its entry, which
+    counts again once it reopens, or is dropped when a sweep finds it closed.
+    """
+    with _opened_lock:
+        if not reader._admitted:
+            reader._admitted = True
+            _opened.append(weakref.ref(reader))
+        sweeps = 2 * len(_opened)  # a sweep clears the used flags, so two rounds always find one
+        while len(_opened) > MAX_OPEN_SHARDS and sweeps:
+            sweeps -= 1
+            r = _opened.popleft()()
+            if r is None:
+                continue
+            if r._shard is None:  # closed since (evicted): its entry is dropped
+                r._admitted = False
+            elif r._used or r is reader:
+                r._used = False
+                _opened.append(weakref.ref(r))
+            else:
+                r._admitted = False
+                r._close()
+
+
 _original: Any = None
 _cls: Any = None
 
@@ -54,6 +104,8 @@ def _build_reader_class() -> type:
                              None if per_sample else compression, hashes, raw_data, samples, size_limit, zip_data)
             self.sample_compression = self._meta.compression.spec if per_sample else None
             self._shard: MDSShard | None = None
+            self._used = False  # accessed since the last sweep of the open-map budget
+            self._admitted = False  # has an entry in the open-map budget
             # Streaming gates pkl columns in validate() (inherited, called by Stream); past that gate
             # its reader decodes them, and so does this one.
             self._decoder = SampleDecoder(self._meta, where, allow_unsafe_types=True)
@@ -73,6 +125,7 @@ def _build_reader_class() -> type:
                 os.close(fd)
                 raise
             self._fd, self._shard = fd, shard
+            _admit(self)
             return shard
 
         def _close(self) -> None:
@@ -96,6 +149,7 @@ def _build_reader_class() -> type:
             shard = self._shard
             if shard is None or not os.fstat(self._fd).st_nlink:
                 shard = self._open()
+            self._used = True
             if not 0 <= idx < shard.samples:
                 raise IndexError(f"Relative sample index {idx} is not present in the {self.raw_data.basename} file.")
             return shard.get(idx)
@@ -121,7 +175,7 @@ def _build_reader_class() -> type:
 
         def __getstate__(self) -> dict[str, Any]:
             state = self.__dict__.copy()
-            state["_shard"] = None  # maps, descriptors and decoders (closures) are rebuilt on the other side
+            state["_shard"], state["_used"], state["_admitted"] = None, False, False  # maps, descriptors and decoders (closures) are rebuilt on the other side
             state.pop("_fd", None)
             del state["_decoder"]
             return state
