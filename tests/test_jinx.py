@@ -19,6 +19,7 @@ import torchforge
 from torchforge.datasets.base import open_dataset
 from torchforge.datasets.jinx import JinxDataset
 from torchforge.errors import FormatError, TorchforgeError
+from torchforge.formats import jinx_reader
 from torchforge.formats.jinx import JinxShard, JinxWriter
 from torchforge.formats.jinx_codec import decode_text, encode_text
 from torchforge.lazy import LazySample, materialize
@@ -305,6 +306,16 @@ def test_key_pass_samples_stay_valid_when_the_key_function_keeps_them(lazy_ds):
             assert s("id") == -1 - i
     assert ds.key_values(lambda s: s) is not None  # the samples themselves as keys
     assert [same(exp, got) for exp, got in zip(samples, ds.key_values(lambda s: s))] == [""] * len(samples)
+
+
+def test_orjson_line_parser_reads_the_same(lazy_ds, monkeypatch):
+    """Without msgspec, lines are parsed by orjson (from bytes): same samples, same key pass."""
+    ds, samples = lazy_ds
+    monkeypatch.setattr(jinx_reader, "LINE_PARSER", (orjson.loads, False))
+    other = JinxDataset(ds._all_paths)
+    assert all(shard.parse is orjson.loads and type(shard.lines) is not memoryview for shard in other.shards)
+    _check_equal(samples, other)
+    assert other.key_values(lambda s: s["meta"]["source"]) == [s["meta"]["source"] for s in samples]
 
 
 def test_writer_accepts_lazy_samples(tmp_path, lazy_ds):

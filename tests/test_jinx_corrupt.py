@@ -16,6 +16,7 @@ import zstandard
 
 from torchforge.datasets.jinx import JinxDataset
 from torchforge.errors import CodecError, CorruptShardError, FormatError, TorchforgeError
+from torchforge.formats import jinx_reader
 from torchforge.formats.jinx import JinxWriter
 from torchforge.lazy import materialize
 
@@ -319,3 +320,52 @@ def test_skip_mode_eager_skips_bad_values(tmp_path):
     path = craft(tmp_path / "a.jinx", [{"id": 0}, {"id": 1, "x.raw": "!!"}, {"id": 2}])
     ds = JinxDataset(path, lazy=False, on_error="skip")
     assert [s["id"] for s in ds] == [0, 2] and ds.skipped == 1
+
+
+# --- bad lines, under either line parser ------------------------------------------------------------------
+BAD_LINES = {
+    1: b'{"id":1,"t":"\xff"}',  # invalid UTF-8
+    2: b'{"id":2,"x":' + b"[" * 5000 + b"]" * 5000 + b"}",  # nested deeper than a parser goes
+    3: b'{"id":3,"x":1e400}',  # a number out of range
+    4: b'{"id":4,"x":NaN}',
+    5: b"[1,2]",  # not an object
+    6: b'{"id":6} trailing',
+    7: b'{"id":7,"t":"\x01"}',  # a control character in a string
+}
+
+
+@pytest.fixture(params=["msgspec", "orjson"])
+def line_parser(request, monkeypatch):
+    """Shards opened in the test parse lines with msgspec (when installed) or with orjson."""
+    if request.param == "orjson":
+        monkeypatch.setattr(jinx_reader, "LINE_PARSER", (orjson.loads, False))
+    else:
+        pytest.importorskip("msgspec")
+    return request.param
+
+
+def test_bad_lines_raise_named_errors_or_are_skipped(tmp_path, line_parser):
+    lines = [BAD_LINES.get(i, orjson.dumps({"id": i, "t": "ok"})) for i in range(10)]
+    body = b"".join(x + b"\n" for x in lines)
+    index = np.cumsum([0] + [len(x) + 1 for x in lines])
+    path = craft(tmp_path / "a.jinx", [], index=index.tolist(), num_samples=len(lines))
+    data = path.read_bytes()
+    path.write_bytes(body + data[:-2] + str(len(body)).encode() + b"\n")  # footer offset moved by the body
+    ds = JinxDataset(path)
+    assert (ds.shards[0].parse is orjson.loads) == (line_parser == "orjson")
+    good = [i for i in range(len(lines)) if i not in BAD_LINES]
+    for i in range(len(lines)):
+        if i in BAD_LINES:
+            with pytest.raises(CorruptShardError, match=f"sample {i} ") as e:
+                ds[i]
+            assert_named(e.value, path)
+            assert e.value.offset == index[i]
+        else:
+            assert ds[i]["id"] == i and ds[i]["t"] == "ok"
+    with pytest.raises(CorruptShardError, match="sample 1 "):
+        list(ds)
+    with pytest.raises(CorruptShardError, match="sample 1 "):
+        ds.key_values(lambda s: s["id"])
+    for lazy in (True, False):
+        skipping = JinxDataset(path, lazy=lazy, on_error="skip")
+        assert [s["id"] for s in skipping] == good and skipping.skipped == len(BAD_LINES)

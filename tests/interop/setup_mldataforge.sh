@@ -4,8 +4,9 @@
 #
 # MLDataForge needs Python >= 3.12. Its jinx modules import torch, orjson, numpy and (through
 # mldataforge.compression) click, isal, lz4, brotli, python-snappy and zstandard at import time, but not
-# `datasets` or `mosaicml-streaming`: those are left out (--no-deps). torch from PyPI is the large CUDA
-# build (a few GB), so this is a separate, optional step; the interop test skips when the venv is absent.
+# `datasets` or `mosaicml-streaming`: those are left out (--no-deps). msgspec is torchforge's (its fast JINX
+# line parser). torch from PyPI is the large CUDA build (a few GB), so this is a separate, optional step;
+# the interop test skips when the venv is absent.
 #
 # Usage: tests/interop/setup_mldataforge.sh [VENV_DIR]   (default: .venv-mldf in the repo root)
 set -euo pipefail
@@ -24,7 +25,7 @@ if [ -f "$venv/.mldf-ok" ]; then echo "setup_mldataforge: $venv is ready"; exit 
 "$py" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q --no-deps mldataforge==0.6.10
-"$venv/bin/python" -m pip install -q orjson numpy zstandard click isal lz4 brotli python-snappy "torch==2.14.1"
+"$venv/bin/python" -m pip install -q orjson msgspec numpy zstandard click isal lz4 brotli python-snappy "torch==2.14.1"
 "$venv/bin/python" -c "from mldataforge.jinx import JinxDatasetReader, JinxDatasetWriter"
 touch "$venv/.mldf-ok"
 echo "setup_mldataforge: $venv is ready"

@@ -13,19 +13,14 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Any
 
-import orjson
-
 from torchforge.datasets.base import ShardDataset, register_format
 from torchforge.errors import FormatError, TorchforgeError
-from torchforge.formats.jinx_reader import JinxShard, sidecar_path
-from torchforge.lazy import LazySample
+from torchforge.formats.jinx_reader import LINE_ERRORS, JinxShard, sidecar_path
+from torchforge.lazy import lazy_sample
 
 __all__ = ["JinxDataset", "detect"]
 
 log = logging.getLogger(__name__)
-_loads = orjson.loads
-_JSONDecodeError = orjson.JSONDecodeError
-_new = object.__new__
 _ON_ERROR = ("raise", "skip")
 
 
@@ -157,16 +152,11 @@ class JinxDataset(ShardDataset):
             offs = shard._offs
             start = offs[i]
             try:
-                obj = _loads(shard._mm[start:offs[i + 1]])
-            except _JSONDecodeError:
+                obj = shard.parse(shard.lines[start:offs[i + 1]])
+            except LINE_ERRORS:
                 obj = None
-            if type(obj) is dict:  # LazySample(obj, shard, start), without the __init__ frame
-                s = _new(LazySample)
-                s._raw = obj
-                s._src = shard
-                s._off = start
-                s._done = None
-                return s
+            if type(obj) is dict:
+                return lazy_sample(obj, shard, start)
             return shard.sample(i)  # raises, naming the problem
         i = i if type(i) is int else int(i)
         n = self._n

@@ -34,13 +34,27 @@ from torchforge.formats.jinx_codec import (
     load_pt,
     unzstd,
 )
-from torchforge.lazy import Decoder, LazySample
+from torchforge.lazy import Decoder, LazySample, lazy_sample
 
-__all__ = ["JinxShard", "sidecar_path"]
+__all__ = ["LINE_ERRORS", "LINE_PARSER", "JinxShard", "sidecar_path"]
 
 _MAX_FOOTER_DIGITS = 20
 _JSONDecodeError = orjson.JSONDecodeError
-_new = object.__new__
+
+
+def _line_parser() -> tuple[Callable[[Any], Any], bool]:
+    """The fastest parser of a whole JSON line at hand, and whether it reads views (else bytes)."""
+    try:
+        from msgspec.json import Decoder
+    except ImportError:  # orjson parses bytes faster than a view
+        return orjson.loads, False
+    return Decoder().decode, True  # 4/5 of orjson's time per line, and no copy out of the map
+
+
+LINE_PARSER = _line_parser()  # a shard takes the one set here when it opens
+# What a line parser raises on a bad line: malformed JSON, invalid UTF-8, a number out of range, nesting
+# deeper than the recursion limit.
+LINE_ERRORS = (ValueError, RecursionError)
 
 
 def sidecar_path(path: str) -> str:
@@ -82,6 +96,8 @@ class JinxShard:
         self._bin_mm: Any = None
         self._bin_size = -1  # until the sidecar is opened
         self._read_footer()
+        self.parse, views = LINE_PARSER  # parse(lines[start:end]) -> the line's JSON value
+        self.lines: Any = self._mv if views else self._mm
 
     # --- footer and index ----------------------------------------------------------------------------
     def _fail(self, reason: str, offset: int | None, path: str | None = None) -> CorruptShardError:
@@ -206,30 +222,30 @@ class JinxShard:
         offs = self._offs
         start = offs[j]
         try:
-            obj = orjson.loads(self._mm[start:offs[j + 1]])  # bytes: orjson parses them faster than a view
-        except _JSONDecodeError as e:
+            obj = self.parse(self.lines[start:offs[j + 1]])
+        except LINE_ERRORS as e:
             raise self._fail(f"sample {j} is not a JSON line ({e})", start) from None
         if type(obj) is not dict:
             raise self._fail(f"sample {j} is a JSON {type(obj).__name__}, expected an object", start)
-        return LazySample(obj, self, start) if lazy else self.eager(obj, start)
+        return lazy_sample(obj, self, start) if lazy else self.eager(obj, start)
 
     def iter_samples(self, lazy: bool = True, start: int = 0,
                      on_error: Callable[[TorchforgeError], None] | None = None) -> Iterator[Any]:
         """Samples ``start..num_samples-1`` in order; ``on_error`` (if given) takes a bad line's error."""
-        offs, mm, loads, n, new = self._offs, self._mm, orjson.loads, self.num_samples, _new
+        offs, lines, parse, n = self._offs, self.lines, self.parse, self.num_samples
         prev = offs[start] if start < n else 0
         for end in offs[start + 1:n + 1]:
             try:
-                obj = loads(mm[prev:end])
-            except _JSONDecodeError as e:
+                obj = parse(lines[prev:end])
+            except LINE_ERRORS as e:
                 err = self._fail(f"sample {self._index_at(prev)} is not a JSON line ({e})", prev)
                 if on_error is None:
                     raise err from None
                 on_error(err)
                 prev = end
                 continue
-            if lazy and type(obj) is dict:  # LazySample(obj, self, prev), without the __init__ frame
-                out = new(LazySample)
+            if lazy and type(obj) is dict:  # lazy_sample(obj, self, prev), inlined
+                out = LazySample()
                 out._raw = obj
                 out._src = self
                 out._off = prev
@@ -251,7 +267,7 @@ class JinxShard:
 
     def key_values(self, fn: Callable[[Any], Any]) -> list[Any]:
         """``fn(sample)`` of every (lazy) sample in order: the sequential key pass, in one frame."""
-        offs, mm, loads, new = self._offs, self._mm, orjson.loads, _new
+        offs, lines, parse = self._offs, self.lines, self.parse
         out: list[Any] = []
         prev = 0
         # One LazySample serves line after line as long as fn keeps no reference to it: its reference
@@ -260,13 +276,13 @@ class JinxShard:
         unshared = 0
         for end in offs[1:]:
             try:
-                obj = loads(mm[prev:end])
-            except _JSONDecodeError:
+                obj = parse(lines[prev:end])
+            except LINE_ERRORS:
                 obj = None
             if type(obj) is not dict:
                 self.sample(self._index_at(prev))  # raises, naming the problem
             if s is None or getrefcount(s) != unshared:  # fn kept the last one: a new one
-                s = new(LazySample)  # LazySample(obj, self, prev), without the __init__ frame
+                s = LazySample()  # lazy_sample(obj, self, prev), inlined
                 s._src = self
                 unshared = getrefcount(s)  # measured, not assumed: interpreters count differently
             s._raw = obj
@@ -428,7 +444,7 @@ class JinxShard:
 
     def close(self) -> None:
         """Drop the memory maps (they close once no view into them is alive)."""
-        self._mv = self._bin_mv = None  # type: ignore[assignment]
+        self._mv = self._bin_mv = self.lines = None  # type: ignore[assignment]
         self._mm = self._bin_mm = None
         self._bin_size = -1
 
