@@ -178,10 +178,12 @@ class Arena:
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
 
-    def stage(self, files: Sequence[FilePlan], pool: ThreadPoolExecutor | None = None) -> None:
+    def stage(self, files: Sequence[FilePlan], pool: ThreadPoolExecutor | None = None, *,
+              ordered: bool = False) -> Any:
         """Copy every part of ``files`` into the arena and point the files' views at it.
 
-        The copies run on ``pool`` (see :func:`copy_tensors`).
+        The copies run on ``pool`` (see :func:`copy_tensors`, which also says what ``ordered`` does and
+        what is returned).
         """
         regions, total = [], 0
         for f in files:
@@ -201,14 +203,25 @@ class Arena:
             f.views = [(0, memoryview(f.head))]
             if f.size > hl:
                 f.views.append((hl, as_bytes(self.buf[base: base + f.size - hl])))
-        copy_tensors(pairs, pool)
+        return copy_tensors(pairs, pool, ordered=ordered)
 
 
-def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: ThreadPoolExecutor | None) -> None:
+_side_streams: dict[Any, Any] = {}
+
+
+def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: ThreadPoolExecutor | None, *,
+                 ordered: bool = False) -> list[Any]:
     """``dst.copy_(src)`` for every pair; contiguous same-dtype CPU pairs are copied in 8 MiB pieces by the
     pool's threads (numpy releases the GIL), which share the work dynamically and so keep going when
-    another process holds a core. Other pairs (GPU, strided, casting) are copied by torch."""
-    pieces = []
+    another process holds a core. Other pairs (GPU, strided, casting) are copied by torch.
+
+    Copies that involve a GPU are waited for before returning, unless ``ordered``: then they run on a
+    side stream of each device (after everything already queued on its current stream), the current
+    stream is made to wait for them (kernels queued after this call, an optimizer step for instance,
+    run after the copies), and the host does not wait. The returned CUDA events (one per device, none
+    without GPU copies) say when the destinations are complete: synchronize them before reading those.
+    """
+    pieces, gpu = [], []
     with torch.no_grad():
         for dst, src in pairs:
             same = dst.dtype == src.dtype and dst.shape == src.shape and dst.numel() > 0
@@ -217,13 +230,43 @@ def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: Threa
                 d = np.frombuffer(as_bytes(dst), dtype=np.uint8)
                 s = np.frombuffer(as_bytes(src), dtype=np.uint8)
                 pieces += [(d[i: i + _COPY], s[i: i + _COPY]) for i in range(0, len(d), _COPY)]
+            elif "cuda" in (dst.device.type, src.device.type):
+                gpu.append((dst, src))
             else:
-                dst.copy_(src.detach(), non_blocking=True)
+                dst.copy_(src.detach())
+        events = _copy_gpu(gpu, ordered) if gpu else []
     if pieces and pool is not None:
         for _ in pool.map(lambda p: np.copyto(p[0], p[1]), pieces):
             pass
-    if any(d.device.type == "cuda" or t.device.type == "cuda" for d, t in pairs):
+    return events
+
+
+def _copy_gpu(pairs: list[tuple[torch.Tensor, torch.Tensor]], ordered: bool) -> list[Any]:
+    if not ordered:
+        for dst, src in pairs:
+            dst.copy_(src.detach(), non_blocking=True)
         torch.cuda.synchronize()  # the sources (mmaps, live tensors) may go away once we return
+        return []
+    by_device: dict[Any, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for dst, src in pairs:
+        by_device.setdefault(src.device if src.is_cuda else dst.device, []).append((dst, src))
+    events = []
+    for device, group in by_device.items():
+        current = torch.cuda.current_stream(device)
+        side = _side_streams.get(device)
+        if side is None:
+            side = _side_streams[device] = torch.cuda.Stream(device)
+        side.wait_stream(current)  # the snapshot sees every kernel queued before save()
+        with torch.cuda.stream(side):
+            for dst, src in group:
+                dst.copy_(src.detach(), non_blocking=True)
+                if src.is_cuda:
+                    src.record_stream(side)  # its memory is not reused before the copy has run
+        done = torch.cuda.Event()
+        done.record(side)
+        current.wait_event(done)  # later kernels on the current stream may change the sources
+        events.append(done)
+    return events
 
 
 def _blocks(views: Sequence[tuple[int, memoryview]], size: int) -> list[list[memoryview]]:

@@ -114,8 +114,11 @@ class Checkpointer:
             optimizer: its ``state_dict()``: tensors in safetensors shards, the rest in ``state.json``.
             extra: any nesting of dicts, lists, tuples, numbers, strings, None and tensors.
             blocking: False copies the state into CPU memory (pinned if CUDA is present), returns, and
-                writes in a background thread; the model may change as soon as this returns. At most one
-                save is in flight: a second one waits for the first. ``wait()`` joins it.
+                writes in a background thread; the model may change as soon as this returns. CPU tensors
+                are copied before returning; GPU tensors are copied on a side stream that the current
+                stream then waits for, so ``save`` returns without waiting for the GPU and kernels
+                queued afterwards (the next optimizer step) run after the copies. At most one save is in
+                flight: a second one waits for the first. ``wait()`` joins it.
 
         Raises:
             CheckpointError: a previous non-blocking save failed, or the state cannot be stored.
@@ -125,8 +128,9 @@ class Checkpointer:
         self.wait()
         files, state = self._plan(step, model, optimizer, extra)
         staged = not blocking or any(t.device.type != "cpu" for f in files for _, t in f.parts)
+        pending: list[Any] = []  # CUDA events of snapshot copies still running (non-blocking saves)
         if staged:
-            self._arena.stage(files, self._pool)
+            pending = self._arena.stage(files, self._pool, ordered=not blocking)
         else:
             for f in files:
                 if f.parts:
@@ -134,7 +138,7 @@ class Checkpointer:
         if blocking:
             self._write(step, files, state)
         else:
-            self._thread = threading.Thread(target=self._background, args=(step, files, state),
+            self._thread = threading.Thread(target=self._background, args=(step, files, state, pending),
                                             name=f"torchforge-ckpt-{step}", daemon=False)
             self._thread.start()
 
@@ -158,8 +162,10 @@ class Checkpointer:
                 raise err
             raise CheckpointError(f"background save failed: {err!r}", path=self.root) from err
 
-    def _background(self, step: int, files: list[FilePlan], state: dict) -> None:
+    def _background(self, step: int, files: list[FilePlan], state: dict, pending: list[Any]) -> None:
         try:
+            for event in pending:  # GPU snapshot copies (stream-ordered) must land before the write
+                event.synchronize()
             self._write(step, files, state)
         except BaseException as e:  # noqa: BLE001 - kept for wait()/the next save(), which re-raise it
             self._error = e
