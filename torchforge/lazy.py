@@ -168,6 +168,7 @@ def _wrap_list(v: list, src: LazySource, offset: int) -> list:
             out.append(x)
     return out
 
+
 def materialize(value: Any) -> Any:
     """Turn lazy samples (also nested in lists and dicts) into plain dicts; memoryviews into bytes."""
     t = type(value)
