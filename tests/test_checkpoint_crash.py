@@ -1,7 +1,8 @@
 """Crash safety: writers SIGKILLed at random moments never leave a bad or mixed latest checkpoint.
 
 A driver process (spawned, so the test's own threads are not inherited) forks writer children that save
-continuously (blocking and non-blocking saves, several shards per group, keep_last pruning) and kills
+continuously (blocking and non-blocking saves, several shards per group, keep_last pruning; every other
+writer with direct I/O) and kills
 each one with SIGKILL after a random delay. After every kill it checks, with no help from the writer,
 that every visible step verifies and holds one step's values only.
 """
@@ -25,6 +26,9 @@ DRIVER = textwrap.dedent(r'''
     rng = random.Random(seed)
 
     def child(k):
+        if k % 2:  # every other writer uses direct I/O for every file, in small runs
+            import torchforge._ckpt_io as io
+            io.DIRECT_MIN, io.DIRECT_RUN, io._SUM_PIECE = 0, 64 << 10, 16 << 10
         torch.manual_seed(k)
         emb = torch.nn.Embedding(256, 128)
         model = torch.nn.Sequential(emb, torch.nn.Linear(128, 128), torch.nn.Linear(128, 256, bias=False))
