@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Any
 
+from torchforge._limits import ensure_open_files
 from torchforge.datasets.base import ShardDataset, register_format
 from torchforge.errors import FormatError, TorchforgeError
 from torchforge.formats.jinx_reader import LINE_ERRORS, JinxShard, sidecar_path
@@ -71,6 +72,7 @@ class JinxDataset(ShardDataset):
         self.on_error = on_error
         self.skipped = 0
         self._all_paths = _shard_paths(path_or_paths)  # never empty: _shard_paths raises first
+        ensure_open_files(2 * len(self._all_paths), "JinxDataset")  # a map per shard and per sidecar
         shards = [JinxShard(p) for p in self._all_paths]
         self._set_shards([s for s in shards if self._wanted(s)])
         self._paths = [s.path for s in self._shards]
@@ -109,6 +111,7 @@ class JinxDataset(ShardDataset):
         return state
 
     def _open(self) -> list[JinxShard]:
+        ensure_open_files(2 * len(self._paths), "JinxDataset")  # in this process (a worker, say)
         shards = []
         for path, count in zip(self._paths, self._counts):
             shard = JinxShard(path)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from torchforge._limits import ensure_open_files
 from torchforge.datasets.base import ShardDataset, register_format
 from torchforge.errors import CodecError, CorruptShardError, FormatError
 from torchforge.formats.mds import INDEX_BASENAME, get_hash, hash_names
@@ -73,6 +74,7 @@ class MDSDataset(ShardDataset):
             self._bounds.append(self._bounds[-1] + m.samples)
         self._files = [self._check_file(m) for m in self.metas]
         self._shards: list[MDSShard | None] = [None] * len(self.metas)
+        self._room = False  # ensure_open_files done in this process
         if any(m.zip_basename and f.endswith(m.zip_basename) for m, f in zip(self.metas, self._files)):
             self._cache_folder()  # made now so that DataLoader workers share it
         if self.metas:  # a pkl column is refused now, not at the first sample
@@ -139,6 +141,9 @@ class MDSDataset(ShardDataset):
     def _shard(self, k: int) -> MDSShard:
         shard = self._shards[k]
         if shard is None:
+            if not self._room:  # the first map in this process (a DataLoader worker, say)
+                ensure_open_files(len(self.metas), "MDSDataset")
+                self._room = True
             m = self.metas[k]
             path = self._files[k]
             if m.zip_basename is not None and path.endswith(m.zip_basename):
@@ -221,6 +226,7 @@ class MDSDataset(ShardDataset):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_shards"] = [None] * len(self.metas)
+        state["_room"] = False
         return state
 
 
