@@ -113,8 +113,7 @@ class BlockDigest:
         self._tail += v[pos + full:]
 
     def _pages(self, buf: Any) -> None:
-        sums = np.frombuffer(buf, dtype="<u8").reshape(-1, PAGE // 8).sum(axis=1, dtype=np.uint64)
-        self._h.update(sums.astype("<u8", copy=False).tobytes())
+        self._h.update(_page_sums(np.frombuffer(buf, dtype=np.uint8)).astype("<u8", copy=False).tobytes())
 
     def hexdigest(self) -> str:
         if self._tail:
@@ -366,8 +365,7 @@ def _direct_buffer() -> memoryview:
     """This thread's page-aligned ``DIRECT_RUN``-byte buffer (anonymous mmap, kept for the next save)."""
     buf = getattr(_local, "buf", None)
     if buf is None or len(buf) < DIRECT_RUN:
-        _local.map = mmap.mmap(-1, DIRECT_RUN)
-        buf = _local.buf = memoryview(_local.map)
+        buf = _local.buf = memoryview(mmap.mmap(-1, DIRECT_RUN))  # the view keeps the map alive
     return buf
 
 
@@ -399,6 +397,7 @@ def _write_run_direct(fd: int, offset: int, views: list[memoryview]) -> np.ndarr
 
 
 def _page_sums(a: np.ndarray) -> np.ndarray:
+    """The 64-bit word sums (mod 2**64) of each 4 KiB page of ``a`` (uint8, a whole number of pages)."""
     return a.view("<u8").reshape(-1, PAGE // 8).sum(axis=1, dtype=np.uint64)
 
 
