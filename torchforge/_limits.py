@@ -16,11 +16,23 @@ try:
 except ImportError:  # pragma: no cover - not on POSIX
     resource = None  # type: ignore[assignment]
 
-__all__ = ["ensure_open_files"]
+__all__ = ["ensure_open_files", "open_files_limit"]
 
 log = logging.getLogger(__name__)
 _MARGIN = 256  # descriptors left for everything else (sockets, pipes, workers, logs)
 _lock = threading.Lock()
+
+
+def open_files_limit(unlimited: int = 1 << 16, unknown: int = 1024) -> int:
+    """The process's soft limit on open descriptors (``unlimited`` if it has none, ``unknown`` where the
+    platform does not say)."""
+    if resource is None:
+        return unknown
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):  # pragma: no cover - not on every platform
+        return unknown
+    return unlimited if soft == resource.RLIM_INFINITY else soft
 
 
 def ensure_open_files(count: int, what: str = "dataset") -> None:

@@ -22,10 +22,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import resource
 import threading
 import weakref
 from typing import Any
+
+from torchforge._limits import open_files_limit
 
 # MDSStreamingReader is reachable as an attribute too (built on first use, see __getattr__).
 __all__ = ["is_patched", "patch", "unpatch"]
@@ -33,17 +34,8 @@ __all__ = ["is_patched", "patch", "unpatch"]
 _lock = threading.Lock()
 
 
-def _max_open_shards() -> int:
-    try:
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (OSError, ValueError):  # pragma: no cover - not on every platform
-        soft = 1024
-    if soft == resource.RLIM_INFINITY:
-        soft = 1 << 16
-    return max(16, min(4096, soft // 4))  # two descriptors per map, half the limit left to the rest
-
-
-MAX_OPEN_SHARDS = _max_open_shards()
+# Two descriptors per map, half the limit left to the rest.
+MAX_OPEN_SHARDS = max(16, min(4096, open_files_limit() // 4))
 _opened: collections.deque[weakref.ref] = collections.deque()  # readers in the order they mapped
 _opened_lock = threading.Lock()
 
