@@ -23,6 +23,7 @@ import statistics
 import time
 
 import torch
+from _pagecache import read_once
 from safetensors.torch import load_file, save_file
 
 from torchforge.checkpoint import Checkpointer
@@ -55,14 +56,6 @@ def fsync_file(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def warm(folder: str) -> None:
-    """Read a folder's files once (not timed), so that they are in the page cache like the others'."""
-    for name in os.listdir(folder):
-        with open(os.path.join(folder, name), "rb", buffering=0) as f:
-            while f.read(64 << 20):
-                pass
 
 
 def timed(fn) -> float:
@@ -155,7 +148,8 @@ def main() -> None:
         ratios.append(res[nb_return][-1] / res["torchforge save (fsync)"][-1])
         torch_save(False)  # the files the restores read
         st_save(False)
-        warm(ck.path(ck.latest()))  # torchforge wrote with O_DIRECT: bring its files into the cache too
+        folder = ck.path(ck.latest())  # torchforge wrote with O_DIRECT: bring its files into the cache too
+        read_once(os.path.join(folder, name) for name in os.listdir(folder))
         for name, fn in restores.items():
             res[name].append(timed(fn))
         print(f"round {r + 1}/{args.rounds} done", flush=True)

@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _pagecache import read_once
 from _synth import synth_samples
 
 from torchforge.datasets.mds import MDSDataset
@@ -59,13 +60,6 @@ def ensure_data(folder: str, n: int) -> None:
             w.write(s)
     size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
     print(f"wrote {n} samples, {size / 1e9:.2f} GB in {time.perf_counter() - t:.1f}s to {folder}")
-
-
-def warm(folder: str) -> None:
-    for f in sorted(os.listdir(folder)):
-        with open(os.path.join(folder, f), "rb") as fh:
-            while fh.read(1 << 24):
-                pass
 
 
 def rate(fn, count: int) -> float:
@@ -184,7 +178,7 @@ def main() -> None:
     args = ap.parse_args()
     folder = f"{args.data}-{args.n}"
     ensure_data(folder, args.n)
-    warm(folder)
+    read_once(os.path.join(folder, f) for f in sorted(os.listdir(folder)))
     check_same(folder)
     results = {
         "StreamingDataset": bench_streaming(folder, args.n, patched=False, repeat=args.repeat),

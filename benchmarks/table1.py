@@ -44,6 +44,7 @@ from typing import Any
 from zlib import crc32
 
 import numpy as np
+from _pagecache import read_once
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -474,11 +475,7 @@ def build(workdir: str, n: int, seed: int) -> dict:
 def _warm(folder: str, files: dict[str, int]) -> None:
     """Read every file of a dataset once, so that each measurement starts with the data in the page cache
     (otherwise the first operation measured after other work pays for the disk, and the others do not)."""
-    buf = bytearray(16 * MIB)
-    for rel in files:
-        with open(os.path.join(folder, rel), "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
+    read_once(os.path.join(folder, rel) for rel in files)
 
 
 def _link_copy(src: str, dst: str, files: dict[str, int]) -> None:
