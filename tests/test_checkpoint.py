@@ -457,3 +457,26 @@ def test_a_damaged_block_written_with_direct_io_is_named(tmp_path, monkeypatch):
         with pytest.raises(CheckpointError, match="checksum mismatch") as e:
             ck.verify(1)
         assert e.value.path == str(f) and e.value.offset == 150_000 // (64 << 10) * (64 << 10)
+
+
+def test_direct_io_buffers_are_private_and_aligned_for_huge_pages():
+    import ctypes
+
+    from torchforge._ckpt_io import huge_page_buffer
+
+    buf = huge_page_buffer(3 << 20)
+    assert len(buf) == 3 << 20 and not buf.readonly
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert addr % (2 << 20) == 0
+    buf[-1:] = b"\x07"
+    assert buf[-1] == 7
+    if os.path.exists("/proc/self/maps"):  # a shared anonymous map would be shmem: no huge pages for it
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+        for line in lines:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                assert line.split()[1][3] == "p", line
+                break
+        else:
+            raise AssertionError("the buffer is in no mapping of /proc/self/maps")
