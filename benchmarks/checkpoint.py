@@ -9,7 +9,10 @@ files are deleted and ``os.sync()`` runs (both untimed), so each contender start
 pays no deletion (torchforge prunes old steps in the background; the benchmark waits for that, untimed).
 Restores read files that are in the page cache (all contenders alike: torchforge writes large files
 with O_DIRECT, which leaves them out of the cache, so they are read once, untimed, before the restores) and copy every tensor into the
-existing parameters and optimizer state. The load average is printed: other processes share the CPUs
+existing parameters and optimizer state. Two floors are measured in the same rounds, as yardsticks
+for the targets: the fastest plain write of as many bytes this disk takes (O_DIRECT from huge pages, no
+copy or checksum, + fsync) and one copy of the state in memory (the least a non-blocking save, which must
+snapshot before it returns, can block for). The load average is printed: other processes share the CPUs
 and the disk, so compare within one run.
 
     .venv/bin/python benchmarks/checkpoint.py [--gib 1.0] [--rounds 5] [--dir /tmp/tf-ckpt-bench]
@@ -21,11 +24,14 @@ import os
 import shutil
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 from _pagecache import read_once
 from safetensors.torch import load_file, save_file
 
+from torchforge._ckpt_io import huge_page_buffer
 from torchforge.checkpoint import Checkpointer
 from torchforge.formats.safetensors import fsync_dir
 
@@ -56,6 +62,43 @@ def fsync_file(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def disk_floor(folder: str, nbytes: int, threads: int = 8, run: int = 32 << 20) -> float:
+    """The fastest write of ``nbytes`` this benchmark knows on this disk, as a yardstick: one new file,
+    O_DIRECT, ``threads`` writes of ``run`` bytes in flight from huge-page buffers (no copy, no checksum),
+    then fsync of the file and the folder. No saver that puts the same bytes on the disk is expected to
+    beat it by much, so ``save_file+fsync`` / this is about the best save ratio the disk allows."""
+    if not getattr(os, "O_DIRECT", 0):
+        return float("nan")
+    bufs = [huge_page_buffer(run) for _ in range(threads)]
+    for b in bufs:
+        b[:] = os.urandom(len(b))
+    path = os.path.join(folder, "disk-floor.bin")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        t = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda i: os.pwrite(fd, bufs[i % threads], i * run), range(-(-nbytes // run))))
+        os.fsync(fd)
+        fsync_dir(folder)
+        return time.perf_counter() - t
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def copy_floor(tensors: list[torch.Tensor], dst: np.ndarray, pool: ThreadPoolExecutor) -> float:
+    """One copy of every tensor into a preallocated buffer, one tensor per task on ``pool`` (numpy
+    releases the GIL): what any save that snapshots the state before it returns must pay at least."""
+    jobs, pos = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        jobs.append((dst[pos: pos + n], t.view(-1).view(torch.uint8).numpy()))
+        pos += n
+    t0 = time.perf_counter()
+    list(pool.map(lambda j: np.copyto(*j), jobs))
+    return time.perf_counter() - t0
 
 
 def timed(fn) -> float:
@@ -131,7 +174,12 @@ def main() -> None:
         "torchforge restore": lambda: ck.restore(model=model, optimizer=opt),
     }
     nb_return, nb_write = "torchforge save(blocking=False) returns", "torchforge background write"
-    res: dict[str, list[float]] = {k: [] for k in (*saves, *restores, nb_return, nb_write)}
+    floor_disk, floor_copy = "floor: bare O_DIRECT write + fsync", "floor: one copy of the state (2 threads)"
+    flat = [t for t in (*mt.values(), *ot.values()) if t.numel()]
+    copy_dst = np.empty(sum(t.numel() * t.element_size() for t in flat), np.uint8)
+    copy_dst.fill(0)  # its pages are touched before any timing, like the checkpointer's staging buffer
+    copy_pool = ThreadPoolExecutor(2)
+    res: dict[str, list[float]] = {k: [] for k in (*saves, *restores, nb_return, nb_write, floor_disk, floor_copy)}
     ratios = []
     for r in range(args.rounds):
         for name, fn in saves.items():
@@ -146,6 +194,9 @@ def main() -> None:
         res[nb_write].append(timed(ck.wait))
         ck.wait(deletions=True)
         ratios.append(res[nb_return][-1] / res["torchforge save (fsync)"][-1])
+        os.sync()
+        res[floor_disk].append(disk_floor(args.dir, total))
+        res[floor_copy].append(copy_floor(flat, copy_dst, copy_pool))
         torch_save(False)  # the files the restores read
         st_save(False)
         folder = ck.path(ck.latest())  # torchforge wrote with O_DIRECT: bring its files into the cache too
@@ -173,7 +224,11 @@ def main() -> None:
     print(f"restore vs torch.load + copy_:              {b['torch.load + copy_'] / r:5.2f}x  (target >= 10)")
     print(f"non-blocking save blocks the caller for:    {b[nb_return] / ours:6.1%} of a blocking save, "
           f"best to best; median of same-round ratios {statistics.median(ratios):.1%} (target <= 10%)")
+    print(f"\nfloors on this machine, same run: the disk allows a save at most {b[st_sync] / b[floor_disk]:.2f}x "
+          f"faster than save_file+fsync; a snapshot copy alone is {b[floor_copy] / ours:.1%} of torchforge's "
+          f"blocking save")
     ck.close()
+    copy_pool.shutdown()
     shutil.rmtree(args.dir, ignore_errors=True)
 
 
