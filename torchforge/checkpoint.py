@@ -130,7 +130,7 @@ class Checkpointer:
         staged = not blocking or any(t.device.type != "cpu" for f in files for _, t in f.parts)
         pending: list[Any] = []  # CUDA events of snapshot copies still running (non-blocking saves)
         if staged:
-            pending = self._arena.stage(files, self._pool, ordered=not blocking)
+            pending = self._arena.stage(files, ordered=not blocking)
         else:
             for f in files:
                 if f.parts:
@@ -327,7 +327,7 @@ class Checkpointer:
                                   path=e.filename or folder) from e
 
     def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        copy_tensors(pairs, self._pool)
+        copy_tensors(pairs)
 
     def _json(self, folder: str, name: str) -> Any:
         p = os.path.join(folder, name)
