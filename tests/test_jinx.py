@@ -381,3 +381,17 @@ def test_writer_refuses_a_folder_with_shards(tmp_path):
     _write(tmp_path / "d", [{"id": 1}], overwrite=True)
     assert sorted(os.listdir(tmp_path / "d")) == ["shard-00000.jinx"]
     assert [dict(s) for s in JinxDataset(tmp_path / "d")] == [{"id": 1}]
+
+
+def test_plans_stay_bounded_over_records_keyed_by_ids(tmp_path, monkeypatch):
+    from torchforge import lazy
+
+    monkeypatch.setattr(lazy, "MAX_PLANS", 8)
+    # bytes values are stored under keys with extensions ("user3.raw.b64", say), which get plans
+    samples = [{"blob": bytes([i]), "by_user": {f"user{i}": bytes([i, i])}} for i in range(30)]
+    _write(tmp_path / "ds", samples)
+    ds = JinxDataset(tmp_path / "ds")
+    got = [(bytes(s["blob"]), bytes(s["by_user"][f"user{i}"])) for i, s in enumerate(ds)]
+    assert got == [(bytes([i]), bytes([i, i])) for i in range(30)]  # keys past the bound are still found
+    plans = ds.shards[0].plans
+    assert len(plans) == 8 and "blob" in plans  # a key seen before the bound keeps its plan

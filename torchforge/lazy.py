@@ -14,6 +14,7 @@ from typing import Any, Protocol
 __all__ = ["Decoder", "LazySample", "LazySource", "lazy_sample", "materialize"]
 
 _PLAIN = frozenset({str, int, float, bool, type(None)})
+MAX_PLANS = 4096  # logical keys a source remembers (beyond that, keys are looked up record by record)
 _MISSING = object()
 
 
@@ -92,7 +93,9 @@ class LazySample(Mapping):
             raise KeyError(key)
         src = self._src
         entry = (raw_key, src.decoder(raw_key, self._off))
-        src.plans[key] = (*src.plans.get(key, ()), entry)
+        plans = src.plans
+        if key in plans or len(plans) < MAX_PLANS:  # records keyed by ids must not grow it without end
+            plans[key] = (*plans.get(key, ()), entry)
         return entry
 
     def _raw_key(self, key: str) -> str | None:
