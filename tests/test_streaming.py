@@ -162,3 +162,40 @@ def test_patched_reader_keeps_a_bounded_number_of_shards_mapped(tmp_path, monkey
         r._close()
     if fds is not None:
         assert len(os.listdir("/proc/self/fd")) <= fds - 6  # the three maps held two descriptors each
+
+
+def test_patched_reader_survives_another_thread_closing_its_map(tmp_path, monkeypatch):
+    """Threads reading different shards share one open-map budget: a map closed by another thread's
+    open while this one reads from it is reopened, not reported as an error."""
+    import threading
+
+    tfs.patch()
+    monkeypatch.setattr(tfs, "MAX_OPEN_SHARDS", 2)
+    rows = list(mds_rows(60, 22))
+    src = _write(str(tmp_path / "src"), rows, size_limit=1 << 13)
+    ds = _dataset(tmp_path, src)
+    starts = np.cumsum([0] + [r.samples for r in ds.shards]).tolist()
+    assert len(ds.shards) >= 8
+    errors: list[BaseException] = []
+
+    def read(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(3000):
+                k = int(rng.integers(len(ds.shards)))
+                j = int(rng.integers(ds.shards[k].samples))
+                assert same(rows[starts[k] + j], ds.shards[k].get_item(j)) == ""
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=read, args=(s,)) for s in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: the race is the point
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[0]

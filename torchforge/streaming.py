@@ -44,8 +44,11 @@ def _admit(reader: Any) -> None:
     """Record that ``reader`` mapped its shard; close others' maps beyond :data:`MAX_OPEN_SHARDS`.
 
     Each reader has at most one entry (``_admitted``); a reader closed by eviction keeps its entry, which
-    counts again once it reopens, or is dropped when a sweep finds it closed.
+    counts again once it reopens, or is dropped when a sweep finds it closed. The chosen maps are closed
+    after the budget's lock is released (closing takes the reader's own lock, which ``_open`` holds
+    while it maps: one order of locks, no deadlock).
     """
+    victims = []
     with _opened_lock:
         if not reader._admitted:
             reader._admitted = True
@@ -63,7 +66,9 @@ def _admit(reader: Any) -> None:
                 _opened.append(weakref.ref(r))
             else:
                 r._admitted = False
-                r._close()
+                victims.append(r)
+    for r in victims:
+        r._close()
 
 
 _original: Any = None
@@ -96,6 +101,8 @@ def _build_reader_class() -> type:
                              None if per_sample else compression, hashes, raw_data, samples, size_limit, zip_data)
             self.sample_compression = self._meta.compression.spec if per_sample else None
             self._shard: MDSShard | None = None
+            self._fd = -1
+            self._lock = threading.Lock()  # opening and closing the map (threads may share a reader)
             self._used = False  # accessed since the last sweep of the open-map budget
             self._admitted = False  # has an entry in the open-map budget
             # Streaming gates pkl columns in validate() (inherited, called by Stream); past that gate
@@ -104,33 +111,46 @@ def _build_reader_class() -> type:
 
         def _open(self) -> MDSShard:
             """The shard's map, reopened when the file was deleted (evicted) since it was mapped."""
-            shard = self._shard
-            if shard is not None and os.fstat(self._fd).st_nlink:
-                return shard
-            self._close()
-            path = os.path.join(self.dirname, self.split, self.raw_data.basename)
-            # FileNotFoundError propagates: StreamingDataset.get_item downloads the shard and retries.
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                shard = MDSShard(path, self._meta, allow_unsafe_types=True)
-            except BaseException:
-                os.close(fd)
-                raise
-            self._fd, self._shard = fd, shard
+            with self._lock:
+                shard = self._shard
+                if shard is not None and os.fstat(self._fd).st_nlink:
+                    return shard
+                self._close_locked()
+                path = os.path.join(self.dirname, self.split, self.raw_data.basename)
+                # FileNotFoundError propagates: StreamingDataset.get_item downloads the shard and retries.
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    shard = MDSShard(path, self._meta, allow_unsafe_types=True)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._fd, self._shard = fd, shard
             _admit(self)
             return shard
 
         def _close(self) -> None:
+            with self._lock:
+                self._close_locked()
+
+        def _close_locked(self) -> None:
             shard, self._shard = self._shard, None
             if shard is not None:
                 shard.close()
                 os.close(self._fd)
+                self._fd = -1
 
         def get_sample_data(self, idx: int) -> bytes:
             shard = self._open()
             if not 0 <= idx < shard.samples:
                 raise IndexError(f"Relative sample index {idx} is not present in the {self.raw_data.basename} file.")
-            return bytes(shard.raw(idx))
+            for attempt in range(8):
+                try:
+                    return bytes(shard.raw(idx))
+                except ValueError:
+                    if self._shard is shard or attempt == 7:
+                        raise
+                shard = self._open()  # closed by another thread's open, as in get_item
+            raise AssertionError("unreachable")
 
         def decode_sample(self, data: bytes) -> dict[str, Any]:
             return self._decoder.decode(data)
@@ -139,12 +159,30 @@ def _build_reader_class() -> type:
             # One fstat per sample: a shard deleted behind our back (eviction by another worker, a user)
             # must raise FileNotFoundError as Streaming's reader does, so that Streaming fetches it again.
             shard = self._shard
-            if shard is None or not os.fstat(self._fd).st_nlink:
+            try:
+                if shard is None or not os.fstat(self._fd).st_nlink:
+                    shard = self._open()
+                self._used = True
+                if not 0 <= idx < shard.samples:
+                    raise IndexError(f"Relative sample index {idx} is not present in the {self.raw_data.basename} file.")
+                return shard.get(idx)
+            except (ValueError, OSError):
+                if shard is None or self._shard is shard:
+                    raise  # this shard's own error (FormatError is a ValueError), or a missing file
+            return self._get_again(idx)
+
+        def _get_again(self, idx: int) -> dict[str, Any]:
+            """get_item after another thread's open (the open-map budget) closed this map, and its
+            descriptor, while this thread used them: reopen and read, a few times if that goes on."""
+            for attempt in range(8):
                 shard = self._open()
-            self._used = True
-            if not 0 <= idx < shard.samples:
-                raise IndexError(f"Relative sample index {idx} is not present in the {self.raw_data.basename} file.")
-            return shard.get(idx)
+                self._used = True
+                try:
+                    return shard.get(idx)
+                except ValueError:
+                    if self._shard is shard or attempt == 7:
+                        raise
+            raise AssertionError("unreachable")
 
         def __getitem__(self, at: Any) -> Any:
             # Streaming's get_item calls reader[i] for every sample: take ints straight to get_item
@@ -169,11 +207,12 @@ def _build_reader_class() -> type:
             state = self.__dict__.copy()
             state["_shard"], state["_used"], state["_admitted"] = None, False, False  # maps, descriptors and decoders (closures) are rebuilt on the other side
             state.pop("_fd", None)
-            del state["_decoder"]
+            del state["_decoder"], state["_lock"]
             return state
 
         def __setstate__(self, state: dict[str, Any]) -> None:
             self.__dict__.update(state)
+            self._fd, self._lock = -1, threading.Lock()
             self._decoder = SampleDecoder(self._meta, self._meta.raw_basename, allow_unsafe_types=True)
 
     MDSStreamingReader.__module__ = __name__
