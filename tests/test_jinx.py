@@ -395,3 +395,16 @@ def test_plans_stay_bounded_over_records_keyed_by_ids(tmp_path, monkeypatch):
     assert got == [(bytes([i]), bytes([i, i])) for i in range(30)]  # keys past the bound are still found
     plans = ds.shards[0].plans
     assert len(plans) == 8 and "blob" in plans  # a key seen before the bound keeps its plan
+
+
+def test_stored_keys_with_extensions_are_not_keys_whatever_the_separator(tmp_path):
+    for sep in (".", "|"):
+        _write(tmp_path / f"ds{ord(sep)}", [{"a": np.int32(5), "b": 7}], ext_sep=sep)
+        ds = JinxDataset(tmp_path / f"ds{ord(sep)}")
+        s = ds[0]
+        raw_key = f"a{sep}int32"
+        assert raw_key in s._raw  # stored under its extension, as a plain JSON number
+        assert s["a"] == 5 and s["b"] == 7
+        assert raw_key not in s
+        with pytest.raises(KeyError):
+            s[raw_key]  # the stored key, extension included, is not a key of the sample

@@ -53,7 +53,7 @@ class LazySample(Mapping):
     def __getitem__(self, key: str) -> Any:
         raw = self._raw
         v = raw.get(key, _MISSING)
-        if type(v) in _PLAIN and "." not in key:  # "." for speed; below the real ext_sep is checked
+        if type(v) in _PLAIN and "." not in key and self._src.ext_sep not in key:  # "." first: cheapest
             return v
         # Everything else, in this one frame: cached, nested container, or a value to decode.
         done = self._done
