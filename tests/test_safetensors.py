@@ -423,3 +423,14 @@ def test_file_pickles_by_path(tmp_path):
     f = load_safetensors(p)
     blob = pickle.dumps(f)
     assert len(blob) < 1000 and torch.equal(pickle.loads(blob)["x"], torch.arange(1000))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file modes and umask are POSIX")
+def test_saved_file_gets_the_mode_of_the_umask_at_save_time(tmp_path):
+    old = os.umask(0o027)  # set after the module was imported: the save must see this one
+    try:
+        save_safetensors({"x": torch.zeros(3)}, tmp_path / "a.safetensors")
+        assert os.umask(0o027) == 0o027  # the save read the umask without changing it
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "a.safetensors").st_mode & 0o777 == 0o640

@@ -25,6 +25,7 @@ import re
 import struct
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,8 +70,23 @@ DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
 _ORDER = {code: i for i, code in enumerate(DTYPES)}
 _CODE_OF: dict[torch.dtype, str] = {dt: code for code, (_, dt) in DTYPES.items() if dt is not None}
 _F4 = DTYPES["F4"][1]
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
+_umask_lock = threading.Lock()
+
+
+def _umask() -> int:
+    """The process's current umask, read without changing it where the kernel says it (Linux 4.7+:
+    ``/proc/self/status``); elsewhere set and restored at once, under a lock."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _umask_lock:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
 
 
 @dataclass(frozen=True)
@@ -515,7 +531,7 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLik
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".safetensors")
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the mode open() would
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the mode open() would
         write_all(fd, [memoryview(head)] + [as_bytes(t) for _, t, _ in layout], 0)
         if fsync:
             os.fsync(fd)
