@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from torchforge._ckpt_io import copy_tensors
 from torchforge.errors import CheckpointError
 
 __all__ = ["TensorTable", "decode", "encode", "restore_model", "restore_optimizer"]
@@ -108,17 +109,9 @@ def model_table(model: torch.nn.Module) -> TensorTable:
     return table
 
 
-Copier = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]
-
-
-def _torch_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for dst, src in pairs:
-        dst.copy_(src)
-
-
 @torch.no_grad()
 def restore_model(model: torch.nn.Module, source: Callable[[str], torch.Tensor], names: list[str],
-                  aliases: Mapping[str, str], where: str, copy: Copier = _torch_copy) -> None:
+                  aliases: Mapping[str, str], where: str) -> None:
     """Copy stored tensors into the model's existing parameters and buffers (strict key match)."""
     target = model.state_dict(keep_vars=False)
     stored = set(names) | set(aliases)
@@ -139,12 +132,11 @@ def restore_model(model: torch.nn.Module, source: Callable[[str], torch.Tensor],
             continue
         done.add(key)
         pairs.append((dst, src))
-    copy(pairs)
+    copy_tensors(pairs)
 
 
 @torch.no_grad()
-def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: str,
-                      copy: Copier = _torch_copy) -> None:
+def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: str) -> None:
     """Load a decoded optimizer state dict, copying into existing state tensors where shapes match.
 
     Follows ``Optimizer.load_state_dict``'s rules: state tensors take the parameter's device (and dtype
@@ -183,7 +175,7 @@ def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: 
                 v = cur
             new[k] = v
         state[p] = new
-    copy(pairs)
+    copy_tensors(pairs)
     for g, s in zip(groups, sgroups):
         for k, v in s.items():
             if k != "params":

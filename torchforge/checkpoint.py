@@ -33,7 +33,6 @@ import torch
 from torchforge._ckpt_io import (
     Arena,
     FilePlan,
-    copy_tensors,
     parse_size,
     plan_group,
     verify_files,
@@ -308,12 +307,12 @@ class Checkpointer:
                 if "model" not in state:
                     raise CheckpointError(f"step {step} holds no model state", path=folder)
                 names, get = self._group(folder, "model", files)
-                restore_model(model, get, names, state["model"]["aliases"], folder, self._copy)
+                restore_model(model, get, names, state["model"]["aliases"], folder)
             if optimizer is not None:
                 if "optimizer" not in state:
                     raise CheckpointError(f"step {step} holds no optimizer state", path=folder)
                 _, get = self._group(folder, "optimizer", files)
-                restore_optimizer(optimizer, decode(state["optimizer"], get), folder, self._copy)
+                restore_optimizer(optimizer, decode(state["optimizer"], get), folder)
             if "extra.safetensors.index.json" in files:
                 _, get = self._group(folder, "extra", files)
                 return decode(state["extra"], lambda k: get(k).to(map_location, copy=True))
@@ -325,9 +324,6 @@ class Checkpointer:
         except OSError as e:
             raise CheckpointError(f"step {step} cannot be read: {e.strerror}",
                                   path=e.filename or folder) from e
-
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        copy_tensors(pairs)
 
     def _json(self, folder: str, name: str) -> Any:
         p = os.path.join(folder, name)
