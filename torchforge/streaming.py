@@ -143,14 +143,7 @@ def _build_reader_class() -> type:
             shard = self._open()
             if not 0 <= idx < shard.samples:
                 raise IndexError(f"Relative sample index {idx} is not present in the {self.raw_data.basename} file.")
-            for attempt in range(8):
-                try:
-                    return bytes(shard.raw(idx))
-                except ValueError:
-                    if self._shard is shard or attempt == 7:
-                        raise
-                shard = self._open()  # closed by another thread's open, as in get_item
-            raise AssertionError("unreachable")
+            return self._read(shard, lambda s: bytes(s.raw(idx)))
 
         def decode_sample(self, data: bytes) -> dict[str, Any]:
             return self._decoder.decode(data)
@@ -169,19 +162,19 @@ def _build_reader_class() -> type:
             except (ValueError, OSError):
                 if shard is None or self._shard is shard:
                     raise  # this shard's own error (FormatError is a ValueError), or a missing file
-            return self._get_again(idx)
+            return self._read(self._open(), lambda s: s.get(idx))
 
-        def _get_again(self, idx: int) -> dict[str, Any]:
-            """get_item after another thread's open (the open-map budget) closed this map, and its
-            descriptor, while this thread used them: reopen and read, a few times if that goes on."""
+        def _read(self, shard: MDSShard, read: Any) -> Any:
+            """``read(shard)``; when another thread's open (the open-map budget) closes the map under
+            it, reopen and read again, a few times if that goes on. Other errors are raised."""
             for attempt in range(8):
-                shard = self._open()
                 self._used = True
                 try:
-                    return shard.get(idx)
+                    return read(shard)
                 except ValueError:
                     if self._shard is shard or attempt == 7:
                         raise
+                shard = self._open()
             raise AssertionError("unreachable")
 
         def __getitem__(self, at: Any) -> Any:
