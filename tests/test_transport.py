@@ -1,9 +1,13 @@
 """Shared-memory slabs and the zero-copy transport: round trips, zero copy, release on GC, no leaks."""
 from __future__ import annotations
 
+import collections
+import ctypes
+import dataclasses
 import gc
 import math
 import os
+import pickle
 from collections.abc import Mapping
 
 import numpy as np
@@ -12,18 +16,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchforge._collate import default_collate
-from torchforge._shm import HeapArena, SlabPool, SlabWriter
-from torchforge._transport import decode, encode
+from torchforge.loader import collate
+from torchforge.loader.collate import default_collate, padded_collate
+from torchforge.loader.slabs import SlabPool, SlabWriter
+from torchforge.loader.transport import decode, encode
 
 
 def _roundtrip(obj, pool: SlabPool, writer: SlabWriter):
     sid, path = pool.acquire()
-    arena = writer.begin(path)
-    header = encode(obj, arena)
-    writer.end(path, arena)
+    arena = writer.begin(sid, path)
+    off, length, buffers = encode(obj, arena)
+    writer.end(sid, arena)
     base = pool.lease(sid, arena.used)
-    return decode(base, *header)
+    return decode(base, off, length, buffers)
 
 
 @pytest.fixture
@@ -76,24 +81,6 @@ def test_roundtrip_is_exact(obj):
         pool.close()
 
 
-def test_fast_paths_roundtrip(channel):
-    objs = [
-        ["a", "bb", "", "ü" * 3], [1, -2, 2**63 - 1, -(2**63)], [2**70, 1], [0.5, float("inf"), float("nan")],
-        [True, False], [None, None], [b"x", b"", b"yz"], {i: {f"s{i}", f"t{i}"} for i in range(50)},
-        [(1, 2), (3, 4)], [[1], [2, 3], []], [frozenset({1}), frozenset()], [set(), set()],
-        {"w": np.random.default_rng(0).normal(size=(7,))}, [np.float32(1.5), np.int64(3)],
-        [bytearray(b"ab")], {"k": memoryview(b"mv")},
-    ]
-    for obj in objs:
-        got = _roundtrip(obj, *channel)
-        if isinstance(obj, dict) and "k" in obj:
-            assert got == {"k": b"mv"}
-        elif any(isinstance(x, float) and math.isnan(x) for x in obj if isinstance(obj, list)):
-            assert got[:2] == obj[:2] and math.isnan(got[2])
-        else:
-            assert _same(obj, got), obj
-
-
 class _Record(Mapping):
     """A read-only mapping that is not a dict, like a lazy dataset's sample."""
 
@@ -110,21 +97,43 @@ class _Record(Mapping):
         return len(self._d)
 
 
-def test_records_travel_as_json_only_when_exact(channel):
-    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "n": 3, "ok": None}]
-    assert _same(msgs, _roundtrip(msgs, *channel))
-    for inexact in ({"a": float("nan")}, {"a": 2**64}, {"a": float("-inf"), "b": 1}, {1: "x"}, {"a": (1, 2)}):
-        assert _same([inexact, inexact], _roundtrip([inexact, inexact], *channel)), inexact
-    got = _roundtrip({"m": [[_Record(role="user", content="q")], []]}, *channel)
-    assert got == {"m": [[{"role": "user", "content": "q"}], []]} and type(got["m"][0][0]) is dict
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+@dataclasses.dataclass
+class Batch:
+    images: torch.Tensor
+    names: list
+
+
+def test_types_survive_the_trip(channel):
+    objs = [Point(torch.ones(3), 2), _Record(role="user", content="q"), Batch(torch.arange(6).view(2, 3), ["a"]),
+            {"k": bytearray(b"ab")}, [np.float32(1.5), np.int64(3)], torch.arange(10)[::2],
+            torch.zeros(0, 3), torch.tensor(7), torch.arange(4, dtype=torch.bfloat16)]
+    for obj in objs:
+        got = _roundtrip(obj, *channel)
+        assert type(got) is type(obj), obj
+    p = _roundtrip(objs[0], *channel)
+    assert torch.equal(p.x, torch.ones(3)) and p.y == 2
+    assert dict(_roundtrip(objs[1], *channel)) == {"role": "user", "content": "q"}
+    b = _roundtrip(objs[2], *channel)
+    assert torch.equal(b.images, torch.arange(6).view(2, 3)) and b.names == ["a"]
+    assert torch.equal(_roundtrip(objs[5], *channel), torch.arange(0, 10, 2))
+
+
+def test_nested_and_grad_tensors_travel_in_band(channel):
+    nt = torch.nested.nested_tensor([torch.ones(2), torch.zeros(3)])
+    got = _roundtrip({"nt": nt, "g": torch.ones(3, requires_grad=True)}, *channel)
+    assert got["nt"].is_nested and [t.tolist() for t in got["nt"].unbind()] == [[1.0, 1.0], [0.0, 0.0, 0.0]]
+    assert got["g"].requires_grad
 
 
 def test_tensors_are_views_of_the_slab_and_slab_is_released_on_gc(channel):
     pool, writer = channel
-    data = {"a": np.arange(1000, dtype=np.float64), "t": torch.ones(3, 4)}
+    data = {"a": np.arange(1000, dtype=np.float64), "t": torch.ones(30, 4)}
     got = _roundtrip(data, pool, writer)
     assert len(pool) == 1 and pool.free_count == 0
-    base_addr = np.frombuffer(pool._slabs[next(iter(pool._slabs))].mm, np.uint8).ctypes.data
+    base_addr = ctypes.addressof(pool._slabs[next(iter(pool._slabs))].mm)
     size = pool._slabs[next(iter(pool._slabs))].mapped
     assert base_addr <= got["a"].ctypes.data < base_addr + size
     assert base_addr <= got["t"].data_ptr() < base_addr + size
@@ -141,12 +150,17 @@ def test_tensors_are_views_of_the_slab_and_slab_is_released_on_gc(channel):
 
 def test_collated_tensors_are_not_copied_again(channel):
     pool, writer = channel
-    _, path = pool.acquire()
-    arena = writer.begin(path)
-    batch = default_collate([{"x": np.ones(1000, np.float32)} for _ in range(8)], arena)
+    sid, path = pool.acquire()
+    arena = writer.begin(sid, path)
+    collate.set_arena(arena)
+    try:
+        batch = default_collate([{"x": np.ones(1000, np.float32), "t": torch.ones(500)} for _ in range(8)])
+    finally:
+        collate.set_arena(None)
     used_after_collate = arena.used
+    assert used_after_collate >= 8 * 1000 * 4 + 8 * 500 * 4  # built in the slab
     encode(batch, arena)
-    assert arena.used - used_after_collate < 200  # only the header was added
+    assert arena.used - used_after_collate < 400  # only the pickle stream was added
 
 
 def test_slab_grows_past_its_initial_size(channel):
@@ -155,11 +169,9 @@ def test_slab_grows_past_its_initial_size(channel):
     assert np.array_equal(got[0], big) and np.array_equal(got[1], big[:10])
 
 
-def test_unsupported_types_raise_typeerror(channel):
-    with pytest.raises(TypeError, match="cannot transport"):
-        _roundtrip({"f": object()}, *channel)
-    with pytest.raises(TypeError, match="object"):
-        _roundtrip(np.array([object()]), *channel)
+def test_unpicklable_objects_raise(channel):
+    with pytest.raises((TypeError, AttributeError, pickle.PicklingError)):
+        _roundtrip({"f": lambda: 1}, *channel)
 
 
 def _our_shm() -> set[str]:
@@ -183,11 +195,11 @@ def test_pool_close_leaves_nothing_behind(use_memfd):
     assert _our_shm() == before_shm
     del kept
     gc.collect()
-    assert set(os.listdir("/proc/self/fd")) == before_fds
+    assert set(os.listdir("/proc/self/fd")) - before_fds == set()
 
 
-def test_heap_arena_collate():
-    batch = default_collate([(1, 2.0, "a", b"xy"), (3, 4.0, "b", b"z")], HeapArena())
+def test_padded_collate_on_the_heap():
+    batch = padded_collate([(1, 2.0, "a", b"xy"), (3, 4.0, "b", b"z")])
     ids, vals, names, blobs = batch
     assert ids.dtype == torch.int64 and ids.tolist() == [1, 3]
     assert vals.dtype == torch.float64 and vals.tolist() == [2.0, 4.0]

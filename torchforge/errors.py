@@ -74,5 +74,6 @@ class CheckpointError(TorchforgeError):
     """A checkpoint is missing, incomplete, or fails verification."""
 
 
-class WorkerError(TorchforgeError):
-    """A data-loader worker failed; the message carries the worker's traceback."""
+class WorkerError(TorchforgeError, RuntimeError):
+    """A data-loader worker died more often than ``max_retries`` allows (a RuntimeError, as torch's
+    "DataLoader worker ... is killed by signal" is)."""

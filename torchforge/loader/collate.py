@@ -1,6 +1,19 @@
-"""The default collate: builds batch tensors directly in the slab the batch travels in.
+"""Collate functions: torch's default collate with its tensors built in shared memory, and the opt-in
+padded collate.
 
-Rules, field by field (a sample may be a mapping, a tuple/list of fields, or a single field):
+:func:`default_collate` is ``torch.utils.data.default_collate``: same rules, types, dtypes, nesting and
+errors (it runs torch's own ``collate`` with torch's own function table), except that inside a
+torchforge worker the stacked tensors (from tensors and numpy arrays) are allocated directly in the
+batch's shared-memory slab, so the batch travels to the main process without another copy. Outside a
+worker it is torch's function. The loader uses it whenever ``collate_fn`` is None or torch's
+``default_collate``.
+
+:func:`empty` gives a user's own ``collate_fn`` the same: an uninitialised tensor in the batch's slab
+inside a worker, an ordinary tensor elsewhere.
+
+:func:`padded_collate` is torchforge's own collation for multimodal records, opt-in
+(``collate_fn=torchforge.loader.padded_collate``). Rules, field by field (a sample may be a mapping, a
+tuple/list of fields, or a single field):
 
 - mappings (at any depth) -> a dict of the collated fields, keys taken from the first sample;
 - a sample that is a tuple or list -> transposed: one collated field per position;
@@ -11,9 +24,6 @@ Rules, field by field (a sample may be a mapping, a tuple/list of fields, or a s
   "lengths": int64 (B,)}``;
 - anything else (str, None, lists such as chat messages, ragged arrays) -> a list, one item per sample;
   lazy mappings in it (a lazy dataset's nested records) become plain dicts, memoryviews bytes.
-
-Every tensor is allocated from the arena (the shared-memory slab in a worker, the heap in-process), so
-the transport sends it by reference: the only copy is the one from the sample into the batch.
 """
 from __future__ import annotations
 
@@ -22,23 +32,67 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
-__all__ = ["default_collate"]
+from torchforge.loader.slabs import HeapArena
+
+__all__ = ["default_collate", "empty", "padded_collate"]
 
 _BYTES_LIKE = (bytes, bytearray, memoryview)
 _SCALARS = frozenset({str, int, float, bool, type(None), bytes})
 
+_arena: Any = None  # the slab arena of the task a worker is running, None elsewhere
 
-def default_collate(samples: list, arena: Any) -> Any:
-    """Collate ``samples`` into one batch whose tensors live in ``arena``.
 
-    Args:
-        samples: the samples of one batch, in order (at least one).
-        arena: where tensors are allocated (:class:`torchforge._shm.Arena` or ``HeapArena``).
+def set_arena(arena: Any) -> None:
+    """Make ``arena`` the allocator of :func:`empty` and :func:`default_collate` (the worker, per task)."""
+    global _arena
+    _arena = arena
 
-    Returns:
-        The batch (see the module docstring for the rules).
+
+def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised CPU tensor; inside a torchforge worker it lies in the batch's shared memory, so
+    a ``collate_fn`` that fills it sends it to the main process without a copy.
+
+    >>> empty((2, 3), torch.uint8).shape
+    torch.Size([2, 3])
     """
+    if _arena is None:
+        return torch.empty(shape, dtype=dtype)
+    shape = tuple(int(d) for d in shape)
+    n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(_arena.alloc(n)).view(dtype).view(shape)
+
+
+def _shm_tensor_fn(batch: list, *, collate_fn_map: Any = None) -> torch.Tensor:
+    elem = batch[0]
+    if _arena is None or type(elem) is not torch.Tensor or elem.layout is not torch.strided \
+            or elem.is_nested or elem.device.type != "cpu" \
+            or any(type(t) is not torch.Tensor or t.dtype != elem.dtype or t.shape != elem.shape
+                   or t.device != elem.device for t in batch):
+        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # torch's rules and errors
+    out = empty((len(batch), *elem.shape), elem.dtype)
+    return torch.stack(batch, 0, out=out)
+
+
+_SHM_MAP = dict(default_collate_fn_map)
+_SHM_MAP[torch.Tensor] = _shm_tensor_fn
+
+
+def default_collate(batch: list) -> Any:
+    """``torch.utils.data.default_collate``, with stacked tensors in the batch's slab inside a worker."""
+    return collate(batch, collate_fn_map=_SHM_MAP)
+
+
+def padded_collate(samples: list) -> Any:
+    """Collate multimodal records: bytes padded into ``{"data", "lengths"}``, ragged values as lists
+    (see the module docstring for the rules). Tensors are built in the batch's slab inside a worker.
+
+    >>> b = padded_collate([{"id": 1, "img": b"ab"}, {"id": 2, "img": b"c"}])
+    >>> b["id"].tolist(), b["img"]["data"].tolist(), b["img"]["lengths"].tolist()
+    ([1, 2], [[97, 98], [99, 0]], [2, 1])
+    """
+    arena = _arena if _arena is not None else HeapArena()
     first = samples[0]
     if isinstance(first, (tuple, list)) and not isinstance(first, str):
         n = len(first)

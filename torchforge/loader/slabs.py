@@ -10,6 +10,12 @@ array of the decoded batch is a view of that base, and a ``weakref.finalize`` on
 back on the free list when the last view is garbage collected. A slab is only given to a worker while
 it is free, so a batch the user still holds is never overwritten.
 
+Held batches: the pool keeps at most ``keep`` slabs (free, in flight, or leased). A slab leased beyond
+that is *detached*: its file is cut to the page-rounded bytes the batch uses and its descriptor closed,
+so a batch the user holds costs memory in proportion to its size and no descriptor, however many
+batches are held (``list(loader)``). The batch's mapping keeps the pages until the batch dies. Workers
+are told the ids of detached slabs (:meth:`SlabPool.take_detached`) and drop their own maps of them.
+
 Leaks: a memfd has no name, so nothing is left in ``/dev/shm`` even if the main process is killed; its
 pages are freed when the last descriptor and mapping go away. The ``/dev/shm`` fallback unlinks its files
 in :meth:`SlabPool.close` (and at interpreter exit through a finalizer).
@@ -17,6 +23,8 @@ in :meth:`SlabPool.close` (and at interpreter exit through a finalizer).
 from __future__ import annotations
 
 import collections
+import ctypes
+import ctypes.util
 import itertools
 import logging
 import mmap
@@ -32,6 +40,7 @@ __all__ = ["ALIGN", "Arena", "HeapArena", "SlabPool", "SlabWriter"]
 log = logging.getLogger(__name__)
 ALIGN = 64
 _GROW_STEP = 1 << 20  # slab files grow in whole MiB
+_PAGE = mmap.PAGESIZE
 _ids = itertools.count()
 
 
@@ -72,7 +81,7 @@ class _Slab:
                 raise OSError(f"slab {self.path} holds {size} bytes, a worker reported {nbytes}")
             # An older, smaller mapping may still be exported by a batch the user holds: it stays valid
             # (same pages) and is unmapped by refcounting when that batch dies.
-            self.mm = mmap.mmap(self.fd, size)
+            self.mm = _map_shared(self.fd, size)
             self.mapped = size
         return self.mm
 
@@ -83,13 +92,18 @@ class SlabPool:
     Args:
         on_map: called as ``on_map(mm)`` after each new mapping (used to page-lock it for CUDA).
         use_memfd: force the memfd (True) or ``/dev/shm`` file (False) backing; None picks memfd if usable.
+        keep: slabs the pool keeps open at most; a slab leased beyond that is detached (see the module
+            docstring).
     """
 
-    def __init__(self, *, on_map: Callable[[mmap.mmap], None] | None = None, use_memfd: bool | None = None):
+    def __init__(self, *, on_map: Callable[[mmap.mmap], None] | None = None, use_memfd: bool | None = None,
+                 keep: int = 64):
         self._memfd = _memfd_ok() if use_memfd is None else use_memfd
         self._slabs: dict[int, _Slab] = {}
         self._free: collections.deque[int] = collections.deque()
         self._on_map = on_map
+        self._keep = max(int(keep), 1)
+        self._detached: list[int] = []
         self._closed = False
         self._finalizer = weakref.finalize(self, _close_all, self._slabs)
 
@@ -132,8 +146,32 @@ class SlabPool:
         if mm is not old and self._on_map is not None:
             self._on_map(mm)
         base = np.frombuffer(mm, dtype=np.uint8, count=used)
+        if len(self._slabs) > self._keep and self._detach(slab, used):
+            return base
         weakref.finalize(base, self.release, sid)
         return base
+
+    def _detach(self, slab: _Slab, used: int) -> bool:
+        """Give a leased slab's pages to its batch alone: cut the file to what the batch uses, close
+        the descriptor, forget the slab (its mapping lives as long as the batch)."""
+        try:
+            os.ftruncate(slab.fd, max(_round_up(used, _PAGE), _PAGE))
+        except OSError:
+            return False
+        os.close(slab.fd)
+        if slab.unlink:
+            try:
+                os.unlink(slab.path)
+            except OSError:
+                pass
+        del self._slabs[slab.id]
+        self._detached.append(slab.id)
+        return True
+
+    def take_detached(self) -> list[int]:
+        """Ids of the slabs detached since the last call (workers drop their maps of them)."""
+        out, self._detached = self._detached, []
+        return out
 
     def close(self) -> None:
         """Close every descriptor (and unlink fallback files); mappings users still hold stay valid."""
@@ -222,32 +260,66 @@ def _address(mm: mmap.mmap) -> int:
 
 
 class SlabWriter:
-    """The worker's side: opens slabs by path once, keeps them mapped, starts one arena per task."""
+    """The worker's side: opens slabs once (by id; the path only the first time), keeps them mapped,
+    starts one arena per task, and drops the slabs the main process detached."""
 
     def __init__(self) -> None:
-        self._open: dict[str, tuple[int, mmap.mmap]] = {}
+        self._open: dict[int, tuple[int, mmap.mmap]] = {}
 
-    def begin(self, path: str) -> Arena:
-        entry = self._open.get(path)
+    def begin(self, sid: int, path: str) -> Arena:
+        """An arena over slab ``sid``. Raises OSError when the slab cannot be opened or mapped."""
+        entry = self._open.get(sid)
         if entry is None:
             fd = os.open(path, os.O_RDWR)
-            entry = (fd, _map_whole(fd))
+            try:
+                entry = (fd, _map_whole(fd))
+            except BaseException:
+                os.close(fd)
+                raise
         fd, mm = entry
         size = os.fstat(fd).st_size
         if size != len(mm) and size > 0:  # grown by another worker since we mapped it
             mm = _map_whole(fd)
-        self._open[path] = (fd, mm)
+        self._open[sid] = (fd, mm)
         return Arena(fd, mm, [(_address(mm), len(mm), mm)])
 
-    def end(self, path: str, arena: Arena) -> None:
+    def end(self, sid: int, arena: Arena) -> None:
         """Keep the arena's newest mapping for the next task on this slab."""
-        fd, _ = self._open[path]
-        self._open[path] = (fd, arena._mm)
+        fd, _ = self._open[sid]
+        self._open[sid] = (fd, arena._mm)
+
+    def forget(self, sids: list[int]) -> None:
+        """Close the descriptors and maps of slabs the main process detached."""
+        for sid in sids:
+            entry = self._open.pop(sid, None)
+            if entry is not None:
+                os.close(entry[0])
 
     def close(self) -> None:
         for fd, _ in self._open.values():
             os.close(fd)
         self._open.clear()
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _map_shared(fd: int, size: int) -> ctypes.Array:
+    """The main process's mapping of a slab, as a ctypes byte array unmapped when its last view dies.
+
+    Not ``mmap.mmap``: CPython's mmap keeps a duplicate of the descriptor for as long as the map
+    lives, so every batch a user holds would hold a descriptor too.
+    """
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of a {size}-byte slab failed: {os.strerror(err)}")
+    arr = (ctypes.c_uint8 * size).from_address(addr)
+    weakref.finalize(arr, _libc.munmap, addr, size)
+    return arr
 
 
 def _map_whole(fd: int) -> mmap.mmap:

@@ -1,6 +1,6 @@
 """Host-to-device stage: page-locked slabs and copies on a side stream, one batch ahead.
 
-With a CUDA ``device``, every slab mapping is page-locked once with ``cudaHostRegister`` (no staging
+With a CUDA ``device`` (or ``pin_memory=True`` on a machine with CUDA), every slab mapping is page-locked once with ``cudaHostRegister`` (no staging
 copy: the batch's own shared memory becomes pinned memory), and each batch is copied with
 ``non_blocking=True`` on a side stream while the training step still works on the previous batch. The
 consumer's stream waits on the copy's event, and every device tensor is marked with
@@ -8,6 +8,9 @@ consumer's stream waits on the copy's event, and every device tensor is marked w
 kept alive until its copy event has completed, so a slab is never recycled while a copy reads it.
 
 Without CUDA the same stage runs with plain ``.to(device)`` (or nothing when ``device`` is None).
+
+The side stream is created with the first batch, never before: the worker processes have started by
+then, so creating it cannot change how they start.
 """
 from __future__ import annotations
 
@@ -54,10 +57,9 @@ class DeviceStage:
         if pin_memory is None:
             pin_memory = self.cuda
         if pin_memory and not torch.cuda.is_available():
-            log.warning("pin_memory=True ignored: CUDA is not available")
-            pin_memory = False
+            pin_memory = False  # torch's own iterator has warned already
         self.pin = bool(pin_memory)
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.stream: Any = None
         self._registered: list[tuple[int, mmap.mmap]] = []
         self._pending: deque[tuple[Any, Any]] = deque()
 
@@ -82,6 +84,8 @@ class DeviceStage:
         """Begin moving a host batch; returns a handle for :meth:`finish`."""
         if not self.cuda:
             return map_tensors(batch, lambda t: t.to(self.device)) if self.device is not None else batch
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self.stream):
             moved = map_tensors(batch, lambda t: _pinned(t, self.pin).to(self.device, non_blocking=True))
             event = torch.cuda.Event()

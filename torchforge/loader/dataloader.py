@@ -1,0 +1,167 @@
+"""torchforge.DataLoader: torch's DataLoader, with batches in shared memory, dead-worker recovery,
+device staging and one owner of resume."""
+from __future__ import annotations
+
+import inspect
+import logging
+import multiprocessing
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import torch
+import torch.utils.data
+from torch.utils.data.dataloader import _DatasetKind
+
+from torchforge.loader.fetch import stateful
+from torchforge.loader.iterator import InProcessIter, WorkerIter
+from torchforge.loader.state import STATE_VERSION, sampler_of, set_rng
+
+__all__ = ["DataLoader"]
+
+log = logging.getLogger(__name__)
+T_co = TypeVar("T_co", covariant=True)
+_ON_ERROR = ("raise", "skip")
+_TORCH_TAKES_IN_ORDER = "in_order" in inspect.signature(torch.utils.data.DataLoader.__init__).parameters
+
+
+class DataLoader(torch.utils.data.DataLoader[T_co]):
+    """A drop-in ``torch.utils.data.DataLoader``: the same arguments, defaults, checks, warnings and
+    batches, loaded by worker processes that hand batches over in shared memory.
+
+    >>> from torchforge import DataLoader
+    >>> [b.tolist() for b in DataLoader(list(range(10)), batch_size=4)]
+    [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+    Every argument up to ``in_order`` is torch's, with torch's meaning and default. What differs:
+
+    - with workers, each batch is collated straight into a shared-memory slab (torch's
+      ``default_collate`` rules, see :mod:`torchforge.loader.collate`) and arrives without a copy; any
+      picklable batch travels, its tensors and arrays out of band through the slab;
+    - a worker that dies is restarted and its batches re-issued (torch ends the epoch with an error);
+    - ``state_dict()`` / ``load_state_dict()`` resume exactly at the next batch (see
+      :mod:`torchforge.loader.state`), with the sampler's and the dataset's own states included.
+
+    Args:
+        device: move every batch there (CUDA: page-locked slabs, copies on a side stream one batch
+            ahead of the training step). Default None: batches stay on the host.
+        on_error: ``"raise"`` (torch's behaviour) or ``"skip"``: a map-style sample whose
+            ``__getitem__`` raises is left out of its batch, counted in :attr:`skipped` and logged.
+        max_retries: how many times one batch may be re-issued after its worker died.
+        seed_per_batch: seed ``random``, torch and numpy from (base seed, batch number) before each
+            batch, so a seeded run's data does not depend on ``num_workers`` or on which worker
+            served a batch, and a batch re-issued after a worker died is identical to the lost one.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
+                 sampler: torch.utils.data.Sampler | Iterable | None = None,
+                 batch_sampler: torch.utils.data.Sampler[list] | Iterable[list] | None = None,
+                 num_workers: int = 0, collate_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
+                 drop_last: bool = False, timeout: float = 0, worker_init_fn: Callable[[int], None] | None = None,
+                 multiprocessing_context: Any = None, generator: torch.Generator | None = None, *,
+                 prefetch_factor: int | None = None, persistent_workers: bool = False, pin_memory_device: str = "",
+                 in_order: bool = True, device: Any = None, on_error: str = "raise", max_retries: int = 3,
+                 seed_per_batch: bool = False):
+        if on_error not in _ON_ERROR:
+            raise ValueError(f"on_error={on_error!r} is not one of {list(_ON_ERROR)}")
+        if isinstance(max_retries, bool) or int(max_retries) < 0:
+            raise ValueError(f"max_retries={max_retries!r} must be an int >= 0")
+        extra = {"in_order": in_order} if _TORCH_TAKES_IN_ORDER else {}
+        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+                         pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                         pin_memory_device=pin_memory_device, **extra)
+        self.in_order = bool(in_order)
+        self._custom_batch_sampler = batch_sampler is not None
+        self.device = device
+        self.on_error = on_error
+        self.max_retries = int(max_retries)
+        self.seed_per_batch = bool(seed_per_batch)
+        self.skipped = 0  #: samples left out under on_error="skip", over the loader's lifetime
+        self._resume: dict[str, Any] | None = None
+        self._carried_seed: int | None = None  # persistent workers resumed at a pass boundary
+        self._pos: Any = None  # the Position of the latest pass (it outlives its iterator)
+
+    # --- iteration ----------------------------------------------------------------------------------------
+    def _get_iterator(self) -> Any:
+        if self.num_workers == 0:
+            it: Any = InProcessIter(self)
+        else:
+            self.check_worker_number_rationality()
+            it = WorkerIter(self)
+        return it
+
+    def __iter__(self) -> Any:
+        kept = self._iterator
+        if kept is not None and not kept._alive():
+            self._iterator = None  # closed, or stopped by an error: start new workers
+        return super().__iter__()  # torch's: persistent workers reuse one iterator through _reset
+
+    def _context(self) -> Any:
+        ctx = self.multiprocessing_context
+        return ctx if ctx is not None else multiprocessing.get_context()
+
+    def _count_skipped(self, skipped: list) -> None:
+        if skipped:
+            self.skipped += len(skipped)
+            for index, why in skipped:
+                log.warning("skipped sample %s: %s", index, why)
+
+    def close(self) -> None:
+        """Stop the persistent workers now (they also stop when the loader is garbage collected)."""
+        it, self._iterator = self._iterator, None
+        if it is not None:
+            it._shutdown_workers()
+
+    # --- resume -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a fresh loader needs to yield exactly the batches that would have come next: the
+        position in the pass, the sampler's and dataset's states, the worker seeds and per-worker
+        dataset states (see :mod:`torchforge.loader.state`). Plain data."""
+        if self._resume is not None:
+            return dict(self._resume)
+        if self._pos is not None:
+            state = self._pos.state_dict(self, self._dataset_kind == _DatasetKind.Iterable)
+        else:
+            target = sampler_of(self)
+            state = {"version": STATE_VERSION, "finished": True, "batches": 0, "extra": [], "samples": 0,
+                     "base_seed": 0, "rng": None, "skip_batches": False, "workers": [], "assigned": [],
+                     "next_worker": 0,
+                     "sampler": target.state_dict() if stateful(target) else None,
+                     "dataset": self.dataset.state_dict() if stateful(self.dataset) else None}
+        if state["finished"] and self.generator is not None:
+            state["generator"] = self.generator.get_state().numpy().tobytes().hex()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next ``iter()`` yields exactly the batches the saved run
+        would have yielded next (at any world size, with a ``GlobalSampler``)."""
+        try:
+            version, finished = int(state["version"]), bool(state["finished"])
+            for key in ("batches", "samples", "base_seed", "sampler", "dataset", "workers"):
+                state[key]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"not a DataLoader state (saved by torchforge.DataLoader.state_dict): "
+                             f"{str(state)[:200]}") from None
+        if version != STATE_VERSION:
+            raise ValueError(f"DataLoader state version {version} is not {STATE_VERSION}")
+        if state["dataset"] is not None:
+            self.dataset.load_state_dict(state["dataset"])
+        if not finished:
+            self._resume = dict(state)
+            return
+        self._resume = None
+        if self.persistent_workers and self.num_workers > 0:
+            # the saved run's workers went on into the next pass with their base seed (torch's _reset)
+            self._carried_seed = int(state["base_seed"])
+        if state["sampler"] is not None:
+            sampler_of(self).load_state_dict(state["sampler"])
+        if state.get("generator") and self.generator is not None:
+            set_rng({"loader": self.generator}, {"loader": state["generator"]})
+
+    def _take_carried_seed(self) -> int | None:
+        seed, self._carried_seed = self._carried_seed, None
+        return seed
+
+    def _take_resume(self) -> dict[str, Any] | None:
+        state, self._resume = self._resume, None
+        return state

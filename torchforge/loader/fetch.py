@@ -1,0 +1,104 @@
+"""What one batch is made of: the samples an index names (map-style) or the next samples of an
+iterator (IterableDataset), collated. Shared by the worker processes and the in-process path; the
+semantics are torch's ``_MapDatasetFetcher`` / ``_IterableDatasetFetcher``, plus ``on_error="skip"``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch.utils.data._utils.collate import default_collate as _torch_default_collate
+
+from torchforge.loader.collate import default_collate
+
+__all__ = ["Source", "stateful"]
+
+
+def stateful(obj: Any) -> bool:
+    """True for torchdata's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict()``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class Source:
+    """Fetches batches from one copy of a dataset.
+
+    Args:
+        dataset: the dataset (this process's copy).
+        iterable: an IterableDataset (drawn from one iterator per pass) rather than map-style.
+        auto_collation: indices come in lists (a batch sampler) rather than one at a time.
+        collate_fn: the loader's collate function; torch's ``default_collate`` is replaced by
+            :func:`~torchforge.loader.collate.default_collate` (same output, built in shared memory).
+        drop_last: IterableDataset: drop a last batch shorter than the index list.
+        on_error: ``"skip"`` leaves out map-style samples whose ``__getitem__`` raised.
+    """
+
+    def __init__(self, dataset: Any, *, iterable: bool, auto_collation: bool, collate_fn: Callable,
+                 drop_last: bool, on_error: str):
+        self.dataset = dataset
+        self.iterable = iterable
+        self.auto_collation = auto_collation
+        self.collate_fn = default_collate if collate_fn is _torch_default_collate else collate_fn
+        self.drop_last = drop_last
+        self.on_error = on_error
+        self._it: Any = None
+        self.ended = False
+
+    def start(self, skip: int = 0) -> None:
+        """A fresh pass: a new iterator of an IterableDataset, advanced past ``skip`` samples."""
+        self.ended = False
+        if self.iterable:
+            self._it = iter(self.dataset)
+            for _ in range(skip):
+                try:
+                    next(self._it)
+                except StopIteration:
+                    self.ended = True
+                    break
+
+    def fetch(self, index: Any) -> tuple[Any, list, int]:
+        """The collated batch for ``index``.
+
+        Returns:
+            ``(batch, skipped, drawn)``: ``skipped`` lists ``[index, "Type: message"]`` pairs left out
+            under ``on_error="skip"`` (the batch is None when every sample was); ``drawn`` counts the
+            samples taken from an IterableDataset's iterator.
+
+        Raises:
+            StopIteration: the IterableDataset has no more samples for this batch.
+        """
+        if self.iterable:
+            return self._next_iterable(index)
+        if not self.auto_collation:
+            return self.collate_fn(self.dataset[index]), [], 0
+        if self.on_error == "raise":
+            getitems = getattr(self.dataset, "__getitems__", None)
+            data = getitems(index) if getitems is not None else [self.dataset[i] for i in index]
+            return self.collate_fn(data), [], 0
+        data, skipped = [], []
+        for i in index:
+            try:
+                data.append(self.dataset[i])
+            except Exception as e:  # noqa: BLE001 - the policy is to skip whatever user code raises
+                skipped.append([i, f"{type(e).__name__}: {e}"])
+        return (self.collate_fn(data) if data else None), skipped, 0
+
+    def _next_iterable(self, index: Any) -> tuple[Any, list, int]:
+        if self.ended:
+            raise StopIteration
+        if not self.auto_collation:
+            try:
+                item = next(self._it)
+            except StopIteration:
+                self.ended = True
+                raise
+            return self.collate_fn(item), [], 1
+        data = []
+        for _ in index:
+            try:
+                data.append(next(self._it))
+            except StopIteration:
+                self.ended = True
+                break
+        if not data or (self.drop_last and len(data) < len(index)):
+            raise StopIteration
+        return self.collate_fn(data), [], len(data)

@@ -1,0 +1,558 @@
+"""The loader's iterators: one pass over the data, in process or through the worker pool.
+
+Both subclass torch's ``_BaseDataLoaderIter``, so the base seed is drawn as torch draws it, the index
+sampler is iterated as torch iterates it, and the IterableDataset length warning is torch's.
+
+With workers, tasks (one per batch) go to the workers round-robin, as torch sends them, at most
+``prefetch_factor * num_workers`` ahead of the batch the user gets; each worker collates its batch
+straight into a shared-memory slab and replies with where it is. With ``in_order=True`` batches come
+out in task order; with ``in_order=False`` as soon as they are ready. An IterableDataset worker whose
+iterator ends is skipped from then on, and tasks already sent to it yield nothing, as in torch.
+
+A worker that dies (SIGKILL, segfault, out of memory) is restarted and its tasks re-issued to it (an
+IterableDataset worker is fast-forwarded past what it had drawn, or given its last state), up to
+``max_retries`` times per batch; then :class:`~torchforge.errors.WorkerError` (a RuntimeError) says
+which worker died and how, in torch's words.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import random
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import _utils
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
+
+from torchforge.errors import WorkerError
+from torchforge.loader.device import DeviceStage
+from torchforge.loader.fetch import Source, stateful
+from torchforge.loader.messages import Forget, NewPass, Reply, Task
+from torchforge.loader.slabs import SlabPool
+from torchforge.loader.state import STATE_VERSION, generators, get_rng, sampler_of, set_rng
+from torchforge.loader.transport import decode
+from torchforge.loader.worker import WorkerPool, WorkerSpec, seed_everything
+
+__all__ = ["InProcessIter", "WorkerIter"]
+
+log = logging.getLogger(__name__)
+_pass_ids = itertools.count(1)
+_NOTHING = object()
+
+
+def batch_seed(base_seed: int, seq: int) -> int:
+    """The seed of batch ``seq`` under per-batch seeding: a 63-bit mix of (base seed, batch number)."""
+    x = (base_seed * 0x9E3779B97F4A7C15 + seq * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % 2**64
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) % 2**64
+    return (x ^ (x >> 32)) & (2**63 - 1)
+
+
+class Position:
+    """Where a pass stands, kept by the loader beyond the iterator's life (``break`` ends an iterator,
+    not the position): what :meth:`state_dict` is made of."""
+
+    def __init__(self, workers: int):
+        self.finished = False
+        self.batches = 0  # yielded in order
+        self.extra: set[int] = set()  # in_order=False: yielded beyond the position
+        self.samples = 0  # sampler indices the yielded batches consumed
+        self.base_seed = 0
+        self.rng0: dict[str, str] = {}
+        self.sampler_start: Any = None
+        self.worker_state: list[Any] = [None] * workers
+        self.drawn = [0] * workers
+        self.ended = [False] * workers
+        self.assigned: list[int] = []  # workers of the batches issued after the position
+        self.next_worker = 0
+
+    def state_dict(self, loader: Any, iterable: bool) -> dict[str, Any]:
+        target = sampler_of(loader)
+        has_state_at = callable(getattr(target, "state_at", None))
+        sampler_state = None
+        if not iterable:
+            if has_state_at:
+                sampler_state = target.state_at(self.samples)
+            elif self.finished and stateful(target):
+                sampler_state = target.state_dict()
+            else:
+                sampler_state = self.sampler_start
+        return {
+            "version": STATE_VERSION,
+            "finished": self.finished,
+            "batches": self.batches,
+            "extra": sorted(self.extra),
+            "samples": self.samples,
+            "base_seed": int(self.base_seed),
+            "rng": None if self.finished else dict(self.rng0),
+            "sampler": sampler_state,
+            "skip_batches": not self.finished and not has_state_at,
+            "dataset": loader.dataset.state_dict() if stateful(loader.dataset) else None,
+            "workers": [{"state": s, "drawn": d, "ended": e}
+                        for s, d, e in zip(self.worker_state, self.drawn, self.ended)],
+            "assigned": list(self.assigned),
+            "next_worker": self.next_worker,
+        }
+
+
+class _Iter(_BaseDataLoaderIter):
+    """What both iterators share: resume, position bookkeeping, the device stage and ``state_dict``."""
+
+    def __init__(self, loader: Any):
+        self._loader = loader
+        self._iterable = loader._dataset_kind == _DatasetKind.Iterable
+        self._begin_pass(loader, first=True)
+
+    # --- a pass ----------------------------------------------------------------------------------------
+    def _begin_pass(self, loader: Any, first: bool) -> None:
+        resume = loader._take_resume()
+        target = sampler_of(loader)
+        if resume is not None and resume["sampler"] is not None and not self._iterable:
+            target.load_state_dict(resume["sampler"])
+        gens = generators(loader)
+        n = max(loader.num_workers, 1)
+        self._pos = loader._pos = Position(n)
+        self._pos.rng0 = get_rng(gens)
+        replay = resume is not None and resume.get("rng")
+        user_rng = torch.get_rng_state() if replay else None
+        if replay:
+            set_rng(gens, resume["rng"])
+            self._pos.rng0 = dict(resume["rng"])
+        try:
+            carried = loader._take_carried_seed()
+            if first:
+                super().__init__(loader)
+                if carried is not None:  # persistent workers go on with their seed, drawing nothing
+                    set_rng(gens, self._pos.rng0)
+                    self._base_seed = carried
+            else:
+                _BaseDataLoaderIter._reset(self, loader)
+            if resume is not None:
+                self._base_seed = int(resume["base_seed"])
+            self._primed = _NOTHING
+            self._primed = self._pull_index()  # the sampler's first draws happen here, in every run
+            skip = int(resume["batches"]) if resume is not None and resume.get("skip_batches") else 0
+            self._skip_ahead = skip
+        finally:
+            if user_rng is not None:
+                torch.set_rng_state(user_rng)
+        self._seq = 0
+        self._pos.base_seed = self._base_seed
+        if not self._iterable and stateful(target) and not callable(getattr(target, "state_at", None)):
+            self._pos.sampler_start = resume["sampler"] if resume is not None else target.state_dict()
+        self._assigned: list[int] = []
+        self._rr = 0
+        if resume is not None:
+            self._restore_position(resume)
+        for _ in range(self._skip_ahead if not self._iterable else 0):
+            if self._pull_index() is _NOTHING:  # indices of batches already yielded: drawn, not loaded
+                break
+        self._skip_ahead = 0
+        self._staged: Any = None
+        self._deferred: BaseException | None = None
+
+    def _restore_position(self, resume: dict) -> None:
+        self._pos.batches = self._seq = int(resume["batches"])
+        self._pos.extra = set(resume.get("extra", []))
+        self._pos.samples = int(resume["samples"])
+        self._num_yielded = self._pos.batches + len(self._pos.extra)
+        workers = resume.get("workers") or []
+        if workers:
+            if len(workers) != len(self._pos.worker_state):
+                if any(w["state"] is not None or w["drawn"] for w in workers):
+                    raise ValueError(f"the loader state was saved with {len(workers)} workers, each with its "
+                                     f"own dataset position; resume with num_workers={len(workers)}")
+            else:
+                self._pos.worker_state = [w["state"] for w in workers]
+                self._pos.drawn = [int(w["drawn"]) for w in workers]
+                self._pos.ended = [bool(w["ended"]) for w in workers]
+        self._assigned = list(resume.get("assigned", []))
+        self._rr = int(resume.get("next_worker", 0))
+
+    def _pull_index(self) -> Any:
+        if self._primed is not _NOTHING:
+            index, self._primed = self._primed, _NOTHING
+            return index
+        try:
+            return self._next_index()
+        except StopIteration:
+            return _NOTHING
+
+    # --- yielding ---------------------------------------------------------------------------------------
+    def _next_data(self) -> Any:
+        stage: DeviceStage = self._stage
+        if not stage.active:
+            batch, info = self._host_next()
+            self._commit(info)
+            return self._pin(batch)
+        if self._staged is None:
+            if self._deferred is not None:
+                err, self._deferred = self._deferred, None
+                raise err
+            self._staged = self._stage_one()
+        handle, info = self._staged
+        self._staged = None
+        try:
+            self._staged = self._stage_one()  # the next batch's copy overlaps this batch's step
+        except BaseException as e:  # noqa: BLE001 - raised after this batch is yielded, not before
+            self._deferred = e
+        self._commit(info)
+        return stage.finish(handle)
+
+    def _stage_one(self) -> tuple[Any, Any]:
+        batch, info = self._host_next()
+        return self._stage.start(batch), info
+
+    def _pin(self, batch: Any) -> Any:
+        if self._pin_memory:
+            return _utils.pin_memory.pin_memory(batch, self._pin_memory_device)
+        return batch
+
+    def _commit(self, info: tuple) -> None:
+        """The batch described by ``info`` reaches the user: advance the position."""
+        seq, n_indices, worker, reply = info
+        self._note_done(seq)
+        self._pos.assigned = self._pending_workers()
+        self._pos.next_worker = self._rr
+        self._pos.samples += n_indices
+        if reply is not None:
+            if reply.state is not None:
+                self._pos.worker_state[worker] = reply.state
+            self._pos.drawn[worker] += reply.count
+
+    def _note_done(self, seq: int) -> None:
+        """Batch ``seq`` was yielded or consumed (an error, an empty batch): move the position."""
+        if seq == self._pos.batches:
+            self._pos.batches += 1
+            while self._pos.batches in self._pos.extra:
+                self._pos.extra.discard(self._pos.batches)
+                self._pos.batches += 1
+        else:
+            self._pos.extra.add(seq)
+
+    def _count(self, index: Any) -> int:
+        if self._iterable:
+            return 0
+        return len(index) if self._auto_collation else 1
+
+    def _finish(self) -> None:
+        self._pos.finished = True
+
+    # --- state --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return self._pos.state_dict(self._loader, self._iterable)
+
+    def _pending_workers(self) -> list[int]:
+        return []
+
+
+class InProcessIter(_Iter):
+    """``num_workers=0``: batches are fetched and collated in the calling process."""
+
+    def __init__(self, loader: Any):
+        self._stage = DeviceStage(loader.device, None)
+        super().__init__(loader)
+        self._source = Source(loader.dataset, iterable=self._iterable, auto_collation=self._auto_collation,
+                              collate_fn=self._collate_fn, drop_last=self._drop_last, on_error=loader.on_error)
+        self._started = False
+
+    def _host_next(self) -> tuple[Any, tuple]:
+        loader = self._loader
+        if not self._started:
+            self._started = True
+            # a Stateful dataset was put back where it was by load_state_dict; others are fast-forwarded,
+            # with the caller's random generators left as they are (the run being resumed drew from
+            # them while it yielded those samples, and the caller restores them as they were)
+            with _kept_rng():
+                self._source.start(0 if stateful(loader.dataset) else self._pos.drawn[0])
+        while True:
+            index = self._pull_index()
+            if index is _NOTHING:
+                self._finish()
+                raise StopIteration
+            seq = self._seq
+            self._seq += 1
+            if seq in self._pos.extra:
+                continue
+            try:
+                if loader.seed_per_batch:
+                    with _kept_rng():
+                        seed_everything(batch_seed(self._base_seed, seq))
+                        batch, skipped, drawn = self._source.fetch(index)
+                else:
+                    batch, skipped, drawn = self._source.fetch(index)
+            except StopIteration:
+                self._finish()
+                raise
+            except Exception:
+                self._note_done(seq)
+                raise
+            loader._count_skipped(skipped)
+            reply = Reply(0, seq, count=drawn)
+            if batch is None:
+                self._note_done(seq)
+                continue
+            return batch, (seq, self._count(index), 0, reply)
+
+
+@contextlib.contextmanager
+def _kept_rng() -> Iterator[None]:
+    """Leave torch's, ``random``'s and numpy's global generators as they were."""
+    state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(state[0])
+            np.random.set_state(state[1])
+
+
+class _Resources:
+    """What passes run on: the worker pool, the slab pool and the device stage (kept across passes
+    with ``persistent_workers``)."""
+
+    def __init__(self, loader: Any, base_seed: int):
+        window = loader.prefetch_factor * loader.num_workers
+        self.stage = DeviceStage(loader.device, True if loader.pin_memory else None)
+        self.pool = SlabPool(on_map=self.stage.register, keep=window + 4)
+        spec = WorkerSpec(dataset=loader.dataset, iterable=loader._dataset_kind == _DatasetKind.Iterable,
+                          auto_collation=loader._auto_collation, collate_fn=loader.collate_fn,
+                          drop_last=loader.drop_last, on_error=loader.on_error,
+                          worker_init_fn=loader.worker_init_fn, num_workers=loader.num_workers,
+                          base_seed=base_seed)
+        self.workers = WorkerPool(loader.num_workers, loader._context(), spec)
+        self.finalizer = weakref.finalize(self, _shutdown, self.workers, self.pool, self.stage)
+
+
+def _shutdown(workers: WorkerPool, pool: SlabPool, stage: DeviceStage) -> None:
+    workers.close()
+    stage.close()
+    pool.close()
+
+
+class WorkerIter(_Iter):
+    """``num_workers > 0``: batches loaded by the worker pool into shared memory."""
+
+    def __init__(self, loader: Any):
+        self._res = None
+        self._stage = DeviceStage(None, False)
+        super().__init__(loader)
+        self._res = _Resources(loader, self._base_seed)
+        self._stage = self._res.stage
+        self._window = loader.prefetch_factor * loader.num_workers
+        self._start_workers()
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        """A new pass over the same workers (``persistent_workers``), as torch's ``_reset``."""
+        if not self._res.finalizer.alive:
+            raise RuntimeError("the DataLoader's persistent workers were shut down")
+        self._drop_pass()
+        self._begin_pass(loader, first=False)
+        self._start_workers()
+
+    def _start_workers(self) -> None:
+        self._pass_id = next(_pass_ids)
+        self._tasks: dict[int, list] = {}  # seq -> [worker, index, slab id, retries]
+        self._ready: dict[int, tuple[int, Reply, list]] = {}
+        self._sampler_done = False
+        workers = self._res.workers
+        for w in range(len(workers)):
+            workers.retired[w] = False if workers.procs[w].is_alive() else workers.retired[w]
+            self._new_pass(w, self._pos.worker_state[w], self._pos.drawn[w])
+        self._fill()
+
+    def _new_pass(self, w: int, state: Any, drawn: int) -> None:
+        """Start worker ``w``'s pass from a dataset state, or (IterableDataset without one) ``drawn``
+        samples into its iterator."""
+        skip = drawn if state is None and self._iterable else 0
+        self._res.workers.send(w, NewPass(self._pass_id, dataset_state=state, skip=skip))
+
+    def _drop_pass(self) -> None:
+        """Forget the previous pass's tasks (their late replies are recognised by pass id and dropped)."""
+        for entry in self._tasks.values():
+            self._res.pool.release(entry[2])
+        for _, reply, entry in self._ready.values():
+            self._res.pool.release(entry[2])
+        self._tasks, self._ready = {}, {}
+        self._staged, self._deferred = None, None
+
+    # --- issuing ------------------------------------------------------------------------------------
+    def _fill(self) -> None:
+        while len(self._tasks) + len(self._ready) < self._window and not self._sampler_done:
+            w = self._pick()
+            if w is None:
+                self._sampler_done = True
+                return
+            index = self._pull_index()
+            if index is _NOTHING:
+                self._sampler_done = True
+                return
+            seq = self._seq
+            self._seq += 1
+            if seq in self._pos.extra:
+                continue  # yielded before the state was saved (in_order=False)
+            sid, _ = self._res.pool.acquire()
+            self._tasks[seq] = [w, index, sid, 0]
+            self._send(seq)
+
+    def _pick(self) -> int | None:
+        """The worker of the next task: a worker saved as assigned, else the next active one in turn."""
+        if self._assigned:
+            return self._assigned.pop(0)
+        n = len(self._pos.ended)
+        for k in range(n):
+            w = (self._rr + k) % n
+            if not self._pos.ended[w]:
+                self._rr = (w + 1) % n
+                return w
+        return None
+
+    def _send(self, seq: int) -> None:
+        w, index, sid, _ = self._tasks[seq]
+        seed = batch_seed(self._base_seed, seq) if self._loader.seed_per_batch else None
+        self._res.workers.send(w, Task(self._pass_id, seq, sid, self._res.pool.path(sid), index, seed))
+
+    # --- receiving ----------------------------------------------------------------------------------
+    def _host_next(self) -> tuple[Any, tuple]:
+        while True:
+            got = self._take_ready()
+            if got is not None:
+                seq, w, reply, entry = got
+                batch = self._receive(seq, w, reply, entry)
+                if batch is not _NOTHING:
+                    return batch, (seq, self._count(entry[1]), w, reply)
+                continue
+            if not self._tasks and not self._ready:
+                self._fill()
+                if not self._tasks:
+                    self._finish()
+                    raise StopIteration
+                continue
+            self._collect()
+
+    def _take_ready(self) -> tuple | None:
+        if self._loader.in_order:
+            seq = min(itertools.chain(self._tasks, self._ready), default=None)
+            if seq is None or seq not in self._ready:
+                return None
+        elif self._ready:
+            seq = min(self._ready)
+        else:
+            return None
+        w, reply, entry = self._ready.pop(seq)
+        return seq, w, reply, entry
+
+    def _receive(self, seq: int, w: int, reply: Reply, entry: list) -> Any:
+        pool = self._res.pool
+        if reply.stream is None:
+            pool.release(entry[2])
+            if reply.ended:
+                self._pos.ended[w] = True
+            self._note_done(seq)
+            self._fill()
+            if reply.error is not None:
+                reply.error.reraise()
+            self._loader._count_skipped(reply.skipped)
+            return _NOTHING
+        self._loader._count_skipped(reply.skipped)
+        base = pool.lease(entry[2], reply.used)
+        gone = pool.take_detached()
+        if gone:
+            self._res.workers.broadcast(Forget(gone))
+        self._fill()
+        return decode(base, reply.stream[0], reply.stream[1], reply.buffers)
+
+    def _collect(self) -> None:
+        try:
+            self._wait()
+        except BaseException:
+            self._shutdown_workers()  # a timeout, a worker past max_retries, Ctrl-C: the pass is over
+            raise
+
+    def _wait(self) -> None:
+        timeout = self._loader.timeout
+        deadline = None if not timeout else time.monotonic() + timeout
+        workers = self._res.workers
+        while True:
+            if self._sampler_done and not self._loader.persistent_workers:
+                busy = {e[0] for e in self._tasks.values()}
+                for w in range(len(workers)):
+                    if w not in busy:
+                        workers.retire(w)  # the pass has no more work for it: let it exit now
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            replies, dead = workers.poll(left)
+            got = False
+            for w, reply in replies:
+                entry = self._tasks.get(reply.seq) if reply.pass_id == self._pass_id else None
+                if entry is None or entry[0] != w:
+                    continue  # a dropped pass's reply: its slab went back to the pool with the pass
+                del self._tasks[reply.seq]
+                self._ready[reply.seq] = (w, reply, entry)
+                got = True
+            for w in dead:
+                self._respawn(w)
+            if got or dead:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RuntimeError(f"DataLoader timed out after {timeout} seconds")
+
+    def _respawn(self, w: int) -> None:
+        workers = self._res.workers
+        why = workers.describe_death(w)
+        orphans = sorted(s for s, e in self._tasks.items() if e[0] == w)
+        log.warning("%s Restarting it; re-issuing batches %s", why, orphans)
+        workers.restart(w)
+        # the new worker goes on where its predecessor's replies (yielded or waiting) left off
+        waiting = [r for _, (ww, r, _) in sorted(self._ready.items()) if ww == w]
+        state = next((r.state for r in reversed(waiting) if r.state is not None), self._pos.worker_state[w])
+        self._new_pass(w, state, self._pos.drawn[w] + sum(r.count for r in waiting))
+        for seq in orphans:
+            entry = self._tasks[seq]
+            entry[3] += 1
+            if entry[3] > self._loader.max_retries:
+                raise WorkerError(f"{why} Batch {seq} was re-issued {entry[3] - 1} times "
+                                  f"(max_retries={self._loader.max_retries}); indices {_short(entry[1])}")
+            self._send(seq)
+
+    @property
+    def _workers(self) -> list[Any]:
+        """The worker processes (torch's iterator attribute of the same name)."""
+        return list(self._res.workers.procs) if self._res is not None else []
+
+    def _pending_workers(self) -> list[int]:
+        seqs = sorted(itertools.chain(self._tasks, self._ready))
+        pending = [self._tasks[s][0] if s in self._tasks else self._ready[s][0] for s in seqs]
+        if self._staged is not None:
+            pending.insert(0, self._staged[1][2])
+        return pending + list(self._assigned)
+
+    def _finish(self) -> None:
+        super()._finish()
+        if not self._loader.persistent_workers:
+            self._res.finalizer()
+
+    def _shutdown_workers(self) -> None:
+        if self._res is not None:
+            self._res.finalizer()
+
+    def _alive(self) -> bool:
+        return self._res is not None and self._res.finalizer.alive
+
+    def close(self) -> None:
+        """Stop the workers and release the slabs (batches already yielded stay valid)."""
+        self._shutdown_workers()
+
+    def __del__(self) -> None:
+        self._shutdown_workers()
+
+
+def _short(index: Any) -> str:
+    if isinstance(index, (list, tuple)) and len(index) > 8:
+        return f"{list(index[:8])}..."
+    return repr(index)

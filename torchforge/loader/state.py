@@ -1,0 +1,65 @@
+"""The loader's resume state: what it holds, and the random sources a pass is replayed from.
+
+``DataLoader.state_dict()`` is plain data (ints, strings, lists, dicts and whatever the sampler's and
+dataset's own ``state_dict()`` return):
+
+- ``version``: 1; ``finished``: the pass ran to its end (the next ``iter()`` starts a new pass);
+- ``batches``: batches yielded by the pass (``extra``: with ``in_order=False``, later batches yielded
+  ahead of that prefix); ``samples``: sampler indices those batches consumed;
+- ``base_seed``: the pass's worker base seed (workers seed ``base_seed + worker_id``);
+- ``rng``: the random generators the pass drew from (the loader's ``generator``, else torch's default
+  CPU generator, and a sampler's own ``generator``), as they were when the pass began; a resumed pass
+  replays its draws from them, then puts torch's default generator back as it found it;
+- ``sampler``: the sampler's state -- ``sampler.state_at(samples)`` for a sampler that can say where it
+  is after any number of indices (``GlobalSampler``: elastic across world sizes), else its
+  ``state_dict()`` at the start of the pass (the pass then skips ``batches`` batches of indices);
+- ``dataset``: the main process's ``dataset.state_dict()`` when the dataset is ``Stateful``;
+- ``workers``: per worker, its dataset copy's state after its last yielded batch (``state``), how
+  many samples its IterableDataset iterator gave (``drawn``, for datasets without a state: the resumed
+  worker draws and drops that many), and whether its iterator ended; ``assigned``: the workers of the
+  batches already issued after the position, ``next_worker``: where the round-robin goes on.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchforge.loader.fetch import stateful
+
+__all__ = ["STATE_VERSION", "generators", "get_rng", "sampler_of", "set_rng"]
+
+STATE_VERSION = 1
+
+
+def sampler_of(loader: Any) -> Any:
+    """The object whose state orders the pass: a custom batch sampler, else the sampler."""
+    return loader.batch_sampler if loader._custom_batch_sampler else loader.sampler
+
+
+def generators(loader: Any) -> dict[str, torch.Generator | None]:
+    """The generators a pass draws from: ``"loader"`` (None: torch's default CPU generator) and the
+    sampler's own, when it has one."""
+    out: dict[str, torch.Generator | None] = {"loader": loader.generator}
+    g = getattr(sampler_of(loader), "generator", None)
+    if isinstance(g, torch.Generator) and g is not loader.generator and not stateful(sampler_of(loader)):
+        out["sampler"] = g
+    return out
+
+
+def get_rng(gens: dict[str, torch.Generator | None]) -> dict[str, str]:
+    return {k: _state(g).numpy().tobytes().hex() for k, g in gens.items()}
+
+
+def set_rng(gens: dict[str, torch.Generator | None], saved: dict[str, str]) -> None:
+    for k, g in gens.items():
+        if k in saved:
+            t = torch.frombuffer(bytearray.fromhex(saved[k]), dtype=torch.uint8)
+            if g is None:
+                torch.set_rng_state(t)
+            else:
+                g.set_state(t)
+
+
+def _state(g: torch.Generator | None) -> torch.Tensor:
+    return torch.get_rng_state() if g is None else g.get_state()

@@ -1,0 +1,114 @@
+"""Batches from a worker to the main process through a shared-memory slab: pickle protocol 5 with
+out-of-band buffers.
+
+:func:`encode` pickles any picklable batch (namedtuples, Mapping subclasses, dataclasses, custom batch
+objects, nested tensors all keep their types). Every buffer pickle can take out of band -- the data of
+CPU tensors and of numpy arrays -- lands in the worker's :class:`~torchforge.loader.slabs.Arena`
+instead of the pickle stream; data the collate already built in the slab is referenced where it is, not
+copied. The pickle stream itself is written into the slab too, so only a few integers cross the pipe.
+:func:`decode` unpickles in the main process with the slab's views as the buffers: tensors and arrays
+are views of the slab (no copy), and they keep it leased while they live.
+
+Tensors that pickle in band (their own ``__reduce_ex__``): tensors that require grad, sparse, nested
+and quantized tensors, tensor subclasses, and tensors on other devices (copied to the CPU by torch).
+
+Only the main process unpickles, and only what its own workers wrote.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchforge.loader.slabs import Arena, HeapArena
+
+__all__ = ["decode", "encode"]
+
+_IN_BAND = 64  # buffers smaller than this go into the stream: a view costs more than the copy
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, arena: Arena | HeapArena):
+        super().__init__(file, protocol=5, buffer_callback=self._place)
+        self.arena = arena
+        self.buffers: list[int] = []  # offset, length, offset, length, ...
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor and obj.layout is torch.strided and obj.device.type == "cpu" \
+                and not obj.requires_grad and not obj.is_nested and not obj.is_quantized:
+            t = obj.contiguous()
+            nbytes = t.numel() * t.element_size()
+            flat = t.reshape(-1).view(torch.uint8).numpy() if nbytes else bytearray()
+            return _rebuild_tensor, (pickle.PickleBuffer(flat), str(t.dtype)[6:], tuple(t.shape))
+        return NotImplemented
+
+    def _place(self, buf: pickle.PickleBuffer) -> bool:
+        raw = buf.raw()
+        n = raw.nbytes
+        if n < _IN_BAND:
+            return True
+        src = np.frombuffer(raw, dtype=np.uint8)
+        off = self.arena.offset_of(src.ctypes.data, n)
+        if off is None:
+            off, dst = self.arena.put(n)
+            np.copyto(dst, src)
+        self.buffers += (off, n)
+        return False
+
+
+def encode(obj: Any, arena: Arena | HeapArena) -> tuple[int, int, list[int]]:
+    """Write ``obj`` into ``arena``.
+
+    Returns:
+        ``(stream_offset, stream_length, buffers)``: where the pickle stream lies in the slab, and the
+        flat ``[offset, length, ...]`` list of its out-of-band buffers, in order.
+
+    Raises:
+        Whatever pickling ``obj`` raises (an object that cannot be pickled).
+    """
+    out = io.BytesIO()
+    p = _Pickler(out, arena)
+    with _no_gc():
+        p.dump(obj)
+    stream = out.getbuffer()
+    off, dst = arena.put(len(stream))
+    dst[:] = np.frombuffer(stream, dtype=np.uint8)
+    return off, len(stream), p.buffers
+
+
+def decode(base: np.ndarray, stream_offset: int, stream_length: int, buffers: list[int]) -> Any:
+    """Rebuild an object from its slab: tensor and array data are views of ``base`` (no copy)."""
+    views = [base[buffers[i]:buffers[i] + buffers[i + 1]] for i in range(0, len(buffers), 2)]
+    with _no_gc():
+        return pickle.loads(base[stream_offset:stream_offset + stream_length], buffers=views)
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Pause the cyclic GC: building many small acyclic objects would trigger needless full passes over
+    a large heap."""
+    enabled = gc.isenabled()
+    if enabled:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    dt = getattr(torch, dtype)
+    if not isinstance(dt, torch.dtype):
+        raise TypeError(f"unknown tensor dtype {dtype!r} in a batch from a worker")
+    if not isinstance(buf, np.ndarray):
+        buf = np.frombuffer(buf if isinstance(buf, bytearray) else bytearray(buf), dtype=np.uint8)
+    if buf.size == 0:
+        return torch.empty(shape, dtype=dt)
+    return torch.from_numpy(buf).view(dt).view(shape)

@@ -1,0 +1,280 @@
+"""Worker processes: the loop that turns tasks into batches in shared memory, and the pool that
+supervises it (see :mod:`torchforge.loader.messages` for the protocol).
+
+A worker starts as torch's does: fatal-signal handlers, one torch thread, ``random`` and torch seeded
+with ``base_seed + worker_id`` and numpy with torch's ``_generate_state(base_seed, worker_id)``,
+``torch.utils.data.get_worker_info()`` set, then ``worker_init_fn(worker_id)``. An exception there (or
+in a dataset's ``__iter__``) is reported with the first task, as torch does. A worker exits on its own
+when the main process disappears (it polls ``getppid``) and ignores SIGINT (the main process owns
+Ctrl-C and shuts the pool down).
+"""
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.data._utils.worker as torch_worker
+from torch._utils import ExceptionWrapper
+from torch.utils.data._utils import signal_handling
+
+from torchforge.loader import collate
+from torchforge.loader.fetch import Source, stateful
+from torchforge.loader.messages import Forget, NewPass, Reply, Task
+from torchforge.loader.slabs import SlabWriter
+from torchforge.loader.transport import encode
+
+__all__ = ["WorkerPool", "WorkerSpec", "seed_everything"]
+
+
+@dataclass
+class WorkerSpec:
+    """What every worker of a pool is started with (pickled for spawn and forkserver)."""
+
+    dataset: Any
+    iterable: bool
+    auto_collation: bool
+    collate_fn: Any
+    drop_last: bool
+    on_error: str
+    worker_init_fn: Any
+    num_workers: int
+    base_seed: int
+
+
+def seed_everything(seed: int) -> None:
+    """Seed ``random``, torch and numpy as torch seeds a worker (numpy through torch's state mixer)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        return
+    np.random.seed(torch_worker._generate_state(seed, 0))
+
+
+def _worker_main(wid: int, conn: Any, spec: WorkerSpec, parent: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal_handling._set_worker_signal_handlers()
+    torch.multiprocessing._set_thread_name("pt_data_worker")
+    # Objects inherited from the parent never become garbage here: keep the collector off them, so that
+    # collections stay cheap and do not touch (and copy) inherited pages.
+    gc.freeze()
+    torch.set_num_threads(1)
+    seed = spec.base_seed + wid
+    random.seed(seed)
+    torch.manual_seed(seed)
+    import numpy as np
+
+    np.random.seed(torch_worker._generate_state(spec.base_seed, wid))
+    dataset = spec.dataset
+    torch_worker._worker_info = torch_worker.WorkerInfo(id=wid, num_workers=spec.num_workers, seed=seed,
+                                                        dataset=dataset)
+    where = f"in DataLoader worker process {wid}"
+    init_error = None
+    try:
+        if spec.worker_init_fn is not None:
+            spec.worker_init_fn(wid)
+    except Exception:  # noqa: BLE001 - reported with the first task, as torch does
+        init_error = ExceptionWrapper(where=where)
+    source = Source(dataset, iterable=spec.iterable, auto_collation=spec.auto_collation,
+                    collate_fn=spec.collate_fn, drop_last=spec.drop_last, on_error=spec.on_error)
+    keeps_state = stateful(dataset)
+    writer = SlabWriter()
+    try:
+        while True:
+            while not conn.poll(0.5):
+                if os.getppid() != parent:
+                    return
+            msg = conn.recv()
+            if msg is None:
+                break
+            if isinstance(msg, Forget):
+                writer.forget(msg.slabs)
+            elif isinstance(msg, NewPass):
+                if init_error is None:
+                    try:
+                        if msg.dataset_state is not None:
+                            dataset.load_state_dict(msg.dataset_state)
+                        source.start(msg.skip)
+                    except Exception:  # noqa: BLE001 - an error in __iter__ comes with the first task
+                        init_error = ExceptionWrapper(where=where)
+            else:
+                if init_error is not None:
+                    reply, init_error = Reply(msg.pass_id, msg.seq, error=init_error), None
+                else:
+                    reply = _run(msg, source, writer, where)
+                if keeps_state and reply.error is None:
+                    reply.state = dataset.state_dict()
+                conn.send(reply)
+    except (EOFError, OSError, KeyboardInterrupt):
+        return
+    finally:
+        writer.close()
+    # A clean stop: skip interpreter teardown (tens of ms of finalisers over the inherited heap); the
+    # worker holds nothing that needs flushing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _run(task: Task, source: Source, writer: SlabWriter, where: str) -> Reply:
+    if task.seed is not None:
+        seed_everything(task.seed)
+    try:
+        arena = writer.begin(task.slab, task.path)
+    except OSError as e:
+        return Reply(task.pass_id, task.seq, error=ExceptionWrapper(
+            (RuntimeError, RuntimeError(f"cannot open the batch's shared-memory slab {task.path}: {e}"), None),
+            where=where))
+    collate.set_arena(arena)
+    try:
+        batch, skipped, drawn = source.fetch(task.index)
+        if batch is None:
+            return Reply(task.pass_id, task.seq, skipped=skipped)
+        stream_off, stream_len, buffers = encode(batch, arena)
+        del batch
+        return Reply(task.pass_id, task.seq, used=arena.used, stream=(stream_off, stream_len), buffers=buffers,
+                     skipped=skipped, count=drawn)
+    except StopIteration:
+        return Reply(task.pass_id, task.seq, ended=True)
+    except Exception:  # noqa: BLE001 - re-raised in the main process with this traceback
+        return Reply(task.pass_id, task.seq, error=ExceptionWrapper(where=where))
+    finally:
+        collate.set_arena(None)
+        writer.end(task.slab, arena)
+
+
+class WorkerPool:
+    """``n`` supervised worker processes, each with its own pipe; dead workers are restarted in place.
+
+    Args:
+        n: workers.
+        ctx: the multiprocessing context they start in.
+        spec: what each is started with.
+    """
+
+    def __init__(self, n: int, ctx: Any, spec: WorkerSpec):
+        self._ctx = ctx
+        self._spec = spec
+        self.procs: list[Any] = [None] * n
+        self.conns: list[Any] = [None] * n
+        self.restarts = 0
+        self.pending = [0] * n  # tasks sent and not answered, per worker
+        self.retired = [False] * n  # told to stop early: the pass has no more work for it
+        for w in range(n):
+            self._start(w)
+
+    def _start(self, w: int) -> None:
+        parent, child = self._ctx.Pipe(duplex=True)
+        p = self._ctx.Process(target=_worker_main, args=(w, child, self._spec, os.getpid()), daemon=True,
+                              name=f"torchforge-worker-{w}")
+        p.start()
+        child.close()
+        self.procs[w], self.conns[w] = p, parent
+
+    def __len__(self) -> int:
+        return len(self.procs)
+
+    def send(self, w: int, msg: Any) -> bool:
+        """Send a message; False if the worker's pipe is broken (it died: the next poll reports it)."""
+        try:
+            self.conns[w].send(msg)
+        except OSError:
+            return False
+        if isinstance(msg, Task):
+            self.pending[w] += 1
+        return True
+
+    def broadcast(self, msg: Any) -> None:
+        for w in range(len(self.procs)):
+            if not self.retired[w]:
+                self.send(w, msg)
+
+    def poll(self, timeout: float | None) -> tuple[list[tuple[int, Reply]], list[int]]:
+        """Wait up to ``timeout`` s; returns ``(replies, dead_workers)``. Replies a worker sent before
+        it died are returned too."""
+        by_obj = {}
+        for w, (c, p) in enumerate(zip(self.conns, self.procs)):
+            if not self.retired[w]:  # a retired worker's exit is expected, not a death
+                by_obj[c] = w
+                by_obj[p.sentinel] = w
+        ready = mp.connection.wait(list(by_obj), timeout)
+        replies, dead = [], []
+        for w in sorted({by_obj[r] for r in ready}):
+            conn, alive = self.conns[w], True
+            try:
+                while conn.poll():
+                    replies.append((w, conn.recv()))
+                    self.pending[w] -= 1
+            except (EOFError, OSError):
+                alive = False
+            if not alive or not self.procs[w].is_alive():
+                dead.append(w)
+        return replies, dead
+
+    def describe_death(self, w: int) -> str:
+        """torch's words for a dead worker: ``DataLoader worker (pid N) is killed by signal: ...``."""
+        p = self.procs[w]
+        p.join(timeout=1.0)
+        code = p.exitcode
+        if code is not None and code < 0:
+            try:
+                name = signal.strsignal(-code) or signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"DataLoader worker (pid {p.pid}) is killed by signal: {name}."
+        return f"DataLoader worker (pid {p.pid}) exited unexpectedly with exit code {code}."
+
+    def restart(self, w: int) -> None:
+        old = self.procs[w]
+        old.join(timeout=1.0)
+        if old.is_alive():
+            old.kill()
+            old.join()
+        self.conns[w].close()
+        self.pending[w] = 0
+        self.retired[w] = False
+        self.restarts += 1
+        self._start(w)
+
+    def retire(self, w: int) -> None:
+        """Let an idle worker exit now, while the main process still consumes the last batches, so that
+        the end of a pass does not wait for process exits."""
+        if not self.retired[w] and self.pending[w] == 0:
+            self.retired[w] = True
+            try:
+                self.conns[w].send(None)
+            except OSError:
+                pass
+
+    def close(self, grace: float = 0.5) -> None:
+        """Stop every worker and close every pipe. Idle workers are asked to stop and given ``grace``
+        seconds; workers still busy with tasks nobody will read (``break``, an error) are terminated at
+        once: they hold nothing but their own mappings of slabs the main process owns."""
+        for w, c in enumerate(self.conns):
+            if not self.retired[w]:
+                try:
+                    c.send(None)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + (grace if not any(self.pending) else 0.0)
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in self.conns:
+            c.close()
