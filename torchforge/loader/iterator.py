@@ -101,11 +101,30 @@ class Position:
         }
 
 
+class _Options:
+    """The loader options an iterator reads while it runs. An iterator does not hold its loader (a
+    loader holds its persistent workers' iterator; the other way round would be a cycle that keeps the
+    workers alive until the cyclic GC runs)."""
+
+    def __init__(self, loader: Any):
+        self.loader = weakref.ref(loader)
+        for name in ("dataset", "in_order", "timeout", "max_retries", "seed_per_batch", "persistent_workers",
+                     "on_error"):
+            setattr(self, name, getattr(loader, name))
+
+    def _count_skipped(self, skipped: list) -> None:
+        loader = self.loader()
+        if loader is not None:
+            loader._count_skipped(skipped)
+        elif skipped:
+            log.warning("skipped samples %s", skipped)
+
+
 class _Iter(_BaseDataLoaderIter):
     """What both iterators share: resume, position bookkeeping, the device stage and ``state_dict``."""
 
     def __init__(self, loader: Any):
-        self._loader = loader
+        self._loader = _Options(loader)
         self._iterable = loader._dataset_kind == _DatasetKind.Iterable
         self._begin_pass(loader, first=True)
 
@@ -246,7 +265,10 @@ class _Iter(_BaseDataLoaderIter):
 
     # --- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return self._pos.state_dict(self._loader, self._iterable)
+        loader = self._loader.loader()
+        if loader is None:
+            raise RuntimeError("the iterator's DataLoader is gone: take state_dict() from the loader")
+        return self._pos.state_dict(loader, self._iterable)
 
     def _pending_workers(self) -> list[int]:
         return []
