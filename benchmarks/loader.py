@@ -13,7 +13,7 @@ Each in two loops: (a) a bare consumer that touches every batch; (b) a training 
 the main process waiting 2 ms per batch (``time.sleep``), as a GPU-bound step waits on the device: the
 step alone bounds it at 64 / 2 ms = 32k samples/s. Then the same for an IterableDataset that shards
 itself by ``get_worker_info()`` (``IterableShards`` in blocks of a batch, so batches come out in the
-same order). Each loader runs ``--epochs`` full epochs (iterator creation, i.e. worker start-up,
+same order). Each loader object runs ``--epochs`` full epochs (iterator creation, i.e. worker start-up,
 included), the loaders taking turns epoch by epoch; the best epoch counts.
 
 ``--others`` adds torch's DataLoader over MLDataForge's reader (in the Python 3.12 venv ``.venv-mldf``)
@@ -50,9 +50,8 @@ PERSISTENT = False  # --persistent: every loader keeps its workers across epochs
 
 
 def _factory(build: Callable[[], Any]) -> Callable[[], Any]:
-    """A fresh loader per epoch, or with --persistent one loader reused (its workers kept) every epoch."""
-    if not PERSISTENT:
-        return build
+    """One loader object per configuration, iterated once per epoch as a training loop does (with
+    --persistent its workers are kept from one epoch to the next; without, each epoch starts new ones)."""
     loader = build()
     return lambda: loader
 

@@ -14,6 +14,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from torchforge.loader.fetch import stateful
 from torchforge.loader.iterator import InProcessIter, WorkerIter
+from torchforge.loader.slabs import SlabPool
 from torchforge.loader.state import STATE_VERSION, sampler_of, set_rng
 
 __all__ = ["DataLoader"]
@@ -78,7 +79,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.seed_per_batch = bool(seed_per_batch)
         self.skipped = 0  #: samples left out under on_error="skip", over the loader's lifetime
         self._resume: dict[str, Any] | None = None
-        self._carried_seed: int | None = None  # persistent workers resumed at a pass boundary
+        self._carried_seed: int | None = None
+        self._slabs: Any = None  # see _slab_pool  # persistent workers resumed at a pass boundary
         self._pos: Any = None  # the Position of the latest pass (it outlives its iterator)
 
     # --- iteration ----------------------------------------------------------------------------------------
@@ -95,6 +97,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if kept is not None and not kept._alive():
             self._iterator = None  # closed, or stopped by an error: start new workers
         return super().__iter__()  # torch's: persistent workers reuse one iterator through _reset
+
+    def _slab_pool(self) -> Any:
+        """The loader's slab pool (created with the first workers; closed when the loader is collected)."""
+        if self._slabs is None:
+            self._slabs = SlabPool(keep=self.prefetch_factor * self.num_workers + 4)
+        return self._slabs
 
     def _context(self) -> Any:
         ctx = self.multiprocessing_context

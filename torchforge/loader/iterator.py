@@ -21,12 +21,14 @@ import itertools
 import logging
 import random
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
+from torch.autograd import profiler as _profiler
 from torch.utils.data import _utils
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
@@ -204,6 +206,26 @@ class _Iter(_BaseDataLoaderIter):
             return _NOTHING
 
     # --- yielding ---------------------------------------------------------------------------------------
+    def __next__(self) -> Any:
+        if _profiler._is_profiler_enabled:
+            return super().__next__()  # torch's, with its record_function range for the profiler
+        data = self._next_data()
+        self._num_yielded += 1
+        if self._iterable and self._IterableDataset_len_called is not None \
+                and self._num_yielded > self._IterableDataset_len_called:
+            self._warn_length()
+        return data
+
+    def _warn_length(self) -> None:
+        # torch's warning, word for word
+        msg = (f"Length of IterableDataset {self._dataset} was reported to be {self._IterableDataset_len_called}"
+               f"(when accessing len(dataloader)), but {self._num_yielded} samples have been fetched. ")
+        if self._num_workers > 0:
+            msg += ("For multiprocessing data-loading, this could be caused by not properly configuring the "
+                    "IterableDataset replica at each worker. Please see "
+                    "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples.")
+        warnings.warn(msg, stacklevel=3)
+
     def _next_data(self) -> Any:
         stage: DeviceStage = self._stage
         if not stage.active:
@@ -337,25 +359,35 @@ def _kept_rng() -> Iterator[None]:
 
 class _Resources:
     """What passes run on: the worker pool, the slab pool and the device stage (kept across passes
-    with ``persistent_workers``)."""
+    with ``persistent_workers``). Without pinning, the slab pool is the loader's and outlives the
+    iterator: the next epoch's workers write into slabs already grown and populated."""
 
-    def __init__(self, loader: Any, base_seed: int):
-        window = loader.prefetch_factor * loader.num_workers
+    def __init__(self, loader: Any, base_seed: int, tasks: dict, ready: dict):
         self.stage = DeviceStage(loader.device, True if loader.pin_memory else None)
-        self.pool = SlabPool(on_map=self.stage.register, keep=window + 4)
+        shared = loader._slab_pool() if not self.stage.pin else None
+        window = loader.prefetch_factor * loader.num_workers
+        self.pool = shared if shared is not None else SlabPool(on_map=self.stage.register, keep=window + 4)
         spec = WorkerSpec(dataset=loader.dataset, iterable=loader._dataset_kind == _DatasetKind.Iterable,
                           auto_collation=loader._auto_collation, collate_fn=loader.collate_fn,
                           drop_last=loader.drop_last, on_error=loader.on_error,
                           worker_init_fn=loader.worker_init_fn, num_workers=loader.num_workers,
                           base_seed=base_seed)
         self.workers = WorkerPool(loader.num_workers, loader._context(), spec)
-        self.finalizer = weakref.finalize(self, _shutdown, self.workers, self.pool, self.stage)
+        self.finalizer = weakref.finalize(self, _shutdown, self.workers, self.pool, shared is None, self.stage,
+                                          tasks, ready)
 
 
-def _shutdown(workers: WorkerPool, pool: SlabPool, stage: DeviceStage) -> None:
-    workers.close()
+def _shutdown(workers: WorkerPool, pool: SlabPool, own_pool: bool, stage: DeviceStage, tasks: dict,
+              ready: dict) -> None:
+    workers.close()  # first: no worker writes into a slab after this
     stage.close()
-    pool.close()
+    if own_pool:
+        pool.close()
+        return
+    for entry in itertools.chain(tasks.values(), (e for _, _, e in ready.values())):
+        pool.release(entry[2])  # slabs of batches nobody will read go back to the loader's pool
+    tasks.clear()
+    ready.clear()
 
 
 class WorkerIter(_Iter):
@@ -365,7 +397,10 @@ class WorkerIter(_Iter):
         self._res = None
         self._stage = DeviceStage(None, False)
         super().__init__(loader)
-        self._res = _Resources(loader, self._base_seed)
+        self._tasks: dict[int, list] = {}  # seq -> [worker, index, slab id, retries]
+        self._ready: dict[int, tuple[int, Reply, list]] = {}
+        self._stale: dict[int, int] = {}  # slab id -> worker: tasks of a dropped pass still running
+        self._res = _Resources(loader, self._base_seed, self._tasks, self._ready)
         self._stage = self._res.stage
         self._window = loader.prefetch_factor * loader.num_workers
         self._start_workers()
@@ -380,8 +415,6 @@ class WorkerIter(_Iter):
 
     def _start_workers(self) -> None:
         self._pass_id = next(_pass_ids)
-        self._tasks: dict[int, list] = {}  # seq -> [worker, index, slab id, retries]
-        self._ready: dict[int, tuple[int, Reply, list]] = {}
         self._sampler_done = False
         workers = self._res.workers
         for w in range(len(workers)):
@@ -396,12 +429,14 @@ class WorkerIter(_Iter):
         self._res.workers.send(w, NewPass(self._pass_id, dataset_state=state, skip=skip))
 
     def _drop_pass(self) -> None:
-        """Forget the previous pass's tasks (their late replies are recognised by pass id and dropped)."""
-        for entry in self._tasks.values():
+        """Forget the previous pass's batches. Slabs of batches already received go back to the pool;
+        a slab a worker may still be writing into goes back when that task's late reply arrives (it is
+        recognised by its pass id), never before."""
+        for _, _, entry in self._ready.values():
             self._res.pool.release(entry[2])
-        for _, reply, entry in self._ready.values():
-            self._res.pool.release(entry[2])
-        self._tasks, self._ready = {}, {}
+        self._stale.update((e[2], e[0]) for e in self._tasks.values())
+        self._tasks.clear()
+        self._ready.clear()
         self._staged, self._deferred = None, None
 
     # --- issuing ------------------------------------------------------------------------------------
@@ -513,7 +548,9 @@ class WorkerIter(_Iter):
             for w, reply in replies:
                 entry = self._tasks.get(reply.seq) if reply.pass_id == self._pass_id else None
                 if entry is None or entry[0] != w:
-                    continue  # a dropped pass's reply: its slab went back to the pool with the pass
+                    if self._stale.pop(reply.slab, None) is not None:
+                        self._res.pool.release(reply.slab)  # a dropped pass's task is done with its slab
+                    continue
                 del self._tasks[reply.seq]
                 self._ready[reply.seq] = (w, reply, entry)
                 got = True
@@ -530,6 +567,9 @@ class WorkerIter(_Iter):
         orphans = sorted(s for s, e in self._tasks.items() if e[0] == w)
         log.warning("%s Restarting it; re-issuing batches %s", why, orphans)
         workers.restart(w)
+        for sid in [sid for sid, ww in self._stale.items() if ww == w]:
+            del self._stale[sid]
+            self._res.pool.release(sid)  # its writer is dead
         # the new worker goes on where its predecessor's replies (yielded or waiting) left off
         waiting = [r for _, (ww, r, _) in sorted(self._ready.items()) if ww == w]
         state = next((r.state for r in reversed(waiting) if r.state is not None), self._pos.worker_state[w])

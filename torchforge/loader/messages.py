@@ -46,6 +46,7 @@ class Reply:
 
     pass_id: int
     seq: int
+    slab: int = -1  #: the task's slab id
     used: int = 0  #: slab bytes the batch occupies
     stream: tuple[int, int] | None = None  #: pickle stream (offset, length); None: no batch
     buffers: list[int] = field(default_factory=list)  #: out-of-band buffers, flat [offset, length, ...]

@@ -104,6 +104,7 @@ class SlabPool:
         self._on_map = on_map
         self._keep = max(int(keep), 1)
         self._detached: list[int] = []
+        self._hint = 0  # the size new slabs start at: the largest batch leased so far, in whole MiB
         self._closed = False
         self._finalizer = weakref.finalize(self, _close_all, self._slabs)
 
@@ -127,6 +128,8 @@ class SlabPool:
         else:
             fd, path = tempfile.mkstemp(prefix="torchforge-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
             slab = _Slab(fd, path, unlink=True)
+        if self._hint:  # as large as the batches so far needed: a worker maps it once, never grows it
+            os.ftruncate(fd, self._hint)
         self._slabs[slab.id] = slab
         return slab.id, slab.path
 
@@ -146,6 +149,8 @@ class SlabPool:
         if mm is not old and self._on_map is not None:
             self._on_map(mm)
         base = np.frombuffer(mm, dtype=np.uint8, count=used)
+        if used > self._hint:
+            self._hint = _round_up(used, _GROW_STEP)
         if len(self._slabs) > self._keep and self._detach(slab, used):
             return base
         weakref.finalize(base, self.release, sid)
