@@ -6,8 +6,9 @@ epoch's order and consuming it the way one rank's loader does:
 
 - ``torch``: ``DistributedSampler`` (``torch.randperm(n).tolist()``, then the rank's slice) read in
   batches with ``itertools.islice``, which is what torch's ``BatchSampler`` does;
-- ``ints``: ``GlobalSampler`` read the same way (Python ints);
-- ``batches``: ``GlobalSampler.indices(b * B, (b + 1) * B)`` per batch, numpy (torchforge.DataLoader's path);
+- ``ints``: ``GlobalSampler`` read the same way (Python ints; torchforge.DataLoader's path, through torch's
+  ``BatchSampler``);
+- ``batches``: ``GlobalSampler.indices(b * B, (b + 1) * B)`` per batch, numpy (random access to any batch);
 - ``chunks``: ``GlobalSampler.chunks(65536)``, numpy arrays (bulk streaming);
 - ``bucketed`` (on request): a length-bucketed order -- random int32 lengths, stable argsort, buckets of
   4096 shuffled -- streamed in chunks; sorted orders need the O(n) argsort, so this shows its cost.

@@ -19,7 +19,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import multiprocessing as mp
+import multiprocessing.connection
 import random
+import threading
 import time
 import warnings
 import weakref
@@ -373,12 +376,14 @@ class _Resources:
                           worker_init_fn=loader.worker_init_fn, num_workers=loader.num_workers,
                           base_seed=base_seed)
         self.workers = WorkerPool(loader.num_workers, loader._context(), spec)
+        self.stop = threading.Event()  # tells the receiver thread to end
         self.finalizer = weakref.finalize(self, _shutdown, self.workers, self.pool, shared is None, self.stage,
-                                          tasks, ready)
+                                          tasks, ready, self.stop)
 
 
 def _shutdown(workers: WorkerPool, pool: SlabPool, own_pool: bool, stage: DeviceStage, tasks: dict,
-              ready: dict) -> None:
+              ready: dict, stop: threading.Event) -> None:
+    stop.set()
     workers.close()  # first: no worker writes into a slab after this
     stage.close()
     if own_pool:
@@ -400,7 +405,11 @@ class WorkerIter(_Iter):
         self._tasks: dict[int, list] = {}  # seq -> [worker, index, slab id, retries]
         self._ready: dict[int, tuple[int, Reply, list]] = {}
         self._stale: dict[int, int] = {}  # slab id -> worker: tasks of a dropped pass still running
+        self._decoded: dict[int, Any] = {}  # seq -> batch unpickled ahead by the receiver thread
+        self._lock = threading.Lock()  # the main thread holds it in next(); the receiver between
         self._res = _Resources(loader, self._base_seed, self._tasks, self._ready)
+        threading.Thread(target=_receiver, args=(weakref.ref(self), self._res.stop), daemon=True,
+                         name="torchforge-receiver").start()
         self._stage = self._res.stage
         self._window = loader.prefetch_factor * loader.num_workers
         self._start_workers()
@@ -409,9 +418,14 @@ class WorkerIter(_Iter):
         """A new pass over the same workers (``persistent_workers``), as torch's ``_reset``."""
         if not self._res.finalizer.alive:
             raise RuntimeError("the DataLoader's persistent workers were shut down")
-        self._drop_pass()
-        self._begin_pass(loader, first=False)
-        self._start_workers()
+        with self._lock:
+            self._drop_pass()
+            self._begin_pass(loader, first=False)
+            self._start_workers()
+
+    def _next_data(self) -> Any:
+        with self._lock:
+            return super()._next_data()
 
     def _start_workers(self) -> None:
         self._pass_id = next(_pass_ids)
@@ -437,6 +451,7 @@ class WorkerIter(_Iter):
         self._stale.update((e[2], e[0]) for e in self._tasks.values())
         self._tasks.clear()
         self._ready.clear()
+        self._decoded.clear()
         self._staged, self._deferred = None, None
 
     # --- issuing ------------------------------------------------------------------------------------
@@ -518,12 +533,15 @@ class WorkerIter(_Iter):
             self._loader._count_skipped(reply.skipped)
             return _NOTHING
         self._loader._count_skipped(reply.skipped)
-        base = pool.lease(entry[2], reply.used)
+        batch = self._decoded.pop(seq, _NOTHING)
+        if batch is _NOTHING:
+            base = pool.lease(entry[2], reply.used)
+            batch = decode(base, reply.stream[0], reply.stream[1], reply.buffers)
         gone = pool.take_detached()
         if gone:
             self._res.workers.broadcast(Forget(gone))
         self._fill()
-        return decode(base, reply.stream[0], reply.stream[1], reply.buffers)
+        return batch
 
     def _collect(self) -> None:
         try:
@@ -544,22 +562,44 @@ class WorkerIter(_Iter):
                         workers.retire(w)  # the pass has no more work for it: let it exit now
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             replies, dead = workers.poll(left)
-            got = False
-            for w, reply in replies:
-                entry = self._tasks.get(reply.seq) if reply.pass_id == self._pass_id else None
-                if entry is None or entry[0] != w:
-                    if self._stale.pop(reply.slab, None) is not None:
-                        self._res.pool.release(reply.slab)  # a dropped pass's task is done with its slab
-                    continue
-                del self._tasks[reply.seq]
-                self._ready[reply.seq] = (w, reply, entry)
-                got = True
+            got = self._accept(replies)
             for w in dead:
                 self._respawn(w)
             if got or dead:
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 raise RuntimeError(f"DataLoader timed out after {timeout} seconds")
+
+    def _accept(self, replies: list[tuple[int, Reply]]) -> bool:
+        """File replies under their batch numbers; True if any belongs to this pass."""
+        got = False
+        for w, reply in replies:
+            entry = self._tasks.get(reply.seq) if reply.pass_id == self._pass_id else None
+            if entry is None or entry[0] != w:
+                if self._stale.pop(reply.slab, None) is not None:
+                    self._res.pool.release(reply.slab)  # a dropped pass's task is done with its slab
+                continue
+            del self._tasks[reply.seq]
+            self._ready[reply.seq] = (w, reply, entry)
+            got = True
+        return got
+
+    # --- the receiver thread ----------------------------------------------------------------------------
+    def _pump(self) -> bool:
+        """Receiver thread, under the lock: take the replies that arrived and unpickle one waiting
+        batch, so that ``next()`` finds it ready. Returns whether there was anything to do."""
+        replies, _ = self._res.workers.poll(0)  # deaths are left to the main thread (sentinels stay set)
+        did = self._accept(replies)
+        for seq in sorted(self._ready):
+            if seq in self._decoded:
+                continue
+            _, reply, entry = self._ready[seq]
+            if reply.stream is None:
+                continue
+            base = self._res.pool.lease(entry[2], reply.used)
+            self._decoded[seq] = decode(base, reply.stream[0], reply.stream[1], reply.buffers)
+            return True
+        return did
 
     def _respawn(self, w: int) -> None:
         workers = self._res.workers
@@ -612,6 +652,38 @@ class WorkerIter(_Iter):
 
     def __del__(self) -> None:
         self._shutdown_workers()
+
+
+def _receiver(ref: weakref.ref, stop: threading.Event) -> None:
+    """The receiver thread of a worker iterator: while the main thread is away (the training step),
+    it takes the workers' replies and unpickles the batches the next ``next()`` calls will return.
+    It holds the iterator only while it works, and ends with the iterator's workers."""
+    idle = 0.0
+    while not stop.is_set():
+        it = ref()
+        if it is None:
+            return
+        watch = [c for w, c in enumerate(it._res.workers.conns) if not it._res.workers.retired[w]]
+        del it
+        try:
+            mp.connection.wait(watch, 0.01)
+        except (OSError, ValueError):  # a pipe closed under us: a restart, or the end
+            pass
+        if idle:
+            time.sleep(idle)  # nothing to do although a pipe looked ready (a dead worker's EOF)
+        it = ref()
+        if it is None or stop.is_set():
+            return
+        try:
+            with it._lock:
+                if stop.is_set():
+                    return
+                did = it._pump()
+        except Exception:  # noqa: BLE001 - the main thread meets the same failure and reports it
+            return
+        finally:
+            del it
+        idle = 0.0 if did else min(max(idle * 2, 0.0005), 0.01)
 
 
 def _short(index: Any) -> str:

@@ -323,7 +323,8 @@ def _map_shared(fd: int, size: int) -> ctypes.Array:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of a {size}-byte slab failed: {os.strerror(err)}")
     arr = (ctypes.c_uint8 * size).from_address(addr)
-    weakref.finalize(arr, _libc.munmap, addr, size)
+    # never at interpreter exit: something may still read the batch then (the process's end unmaps it)
+    weakref.finalize(arr, _libc.munmap, addr, size).atexit = False
     return arr
 
 
