@@ -9,6 +9,9 @@ straight into a shared-memory slab and replies with where it is. With ``in_order
 out in task order; with ``in_order=False`` as soon as they are ready. An IterableDataset worker whose
 iterator ends is skipped from then on, and tasks already sent to it yield nothing, as in torch.
 
+A receiver thread takes the workers' replies and unpickles the next batches while the main thread is
+away (in the training step); the two take turns under one lock, so no state is touched by both at once.
+
 A worker that dies (SIGKILL, segfault, out of memory) is restarted and its tasks re-issued to it (an
 IterableDataset worker is fast-forwarded past what it had drawn, or given its last state), up to
 ``max_retries`` times per batch; then :class:`~torchforge.errors.WorkerError` (a RuntimeError) says
@@ -19,10 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import multiprocessing as mp
-import multiprocessing.connection
 import random
-import threading
 import time
 import warnings
 import weakref
@@ -39,10 +39,10 @@ from torchforge.errors import WorkerError
 from torchforge.loader.device import DeviceStage
 from torchforge.loader.fetch import Source, stateful
 from torchforge.loader.messages import Forget, NewPass, Reply, Task
-from torchforge.loader.slabs import SlabPool
-from torchforge.loader.state import STATE_VERSION, generators, get_rng, sampler_of, set_rng
+from torchforge.loader.resources import Inbox, Resources
+from torchforge.loader.state import Position, generators, get_rng, sampler_of, set_rng
 from torchforge.loader.transport import decode
-from torchforge.loader.worker import WorkerPool, WorkerSpec, seed_everything
+from torchforge.loader.worker import seed_everything
 
 __all__ = ["InProcessIter", "WorkerIter"]
 
@@ -57,53 +57,6 @@ def batch_seed(base_seed: int, seq: int) -> int:
     x ^= x >> 31
     x = (x * 0xD6E8FEB86659FD93) % 2**64
     return (x ^ (x >> 32)) & (2**63 - 1)
-
-
-class Position:
-    """Where a pass stands, kept by the loader beyond the iterator's life (``break`` ends an iterator,
-    not the position): what :meth:`state_dict` is made of."""
-
-    def __init__(self, workers: int):
-        self.finished = False
-        self.batches = 0  # yielded in order
-        self.extra: set[int] = set()  # in_order=False: yielded beyond the position
-        self.samples = 0  # sampler indices the yielded batches consumed
-        self.base_seed = 0
-        self.rng0: dict[str, str] = {}
-        self.sampler_start: Any = None
-        self.worker_state: list[Any] = [None] * workers
-        self.drawn = [0] * workers
-        self.ended = [False] * workers
-        self.assigned: list[int] = []  # workers of the batches issued after the position
-        self.next_worker = 0
-
-    def state_dict(self, loader: Any, iterable: bool) -> dict[str, Any]:
-        target = sampler_of(loader)
-        has_state_at = callable(getattr(target, "state_at", None))
-        sampler_state = None
-        if not iterable:
-            if has_state_at:
-                sampler_state = target.state_at(self.samples)
-            elif self.finished and stateful(target):
-                sampler_state = target.state_dict()
-            else:
-                sampler_state = self.sampler_start
-        return {
-            "version": STATE_VERSION,
-            "finished": self.finished,
-            "batches": self.batches,
-            "extra": sorted(self.extra),
-            "samples": self.samples,
-            "base_seed": int(self.base_seed),
-            "rng": None if self.finished else dict(self.rng0),
-            "sampler": sampler_state,
-            "skip_batches": not self.finished and not has_state_at,
-            "dataset": loader.dataset.state_dict() if stateful(loader.dataset) else None,
-            "workers": [{"state": s, "drawn": d, "ended": e}
-                        for s, d, e in zip(self.worker_state, self.drawn, self.ended)],
-            "assigned": list(self.assigned),
-            "next_worker": self.next_worker,
-        }
 
 
 class _Options:
@@ -360,41 +313,6 @@ def _kept_rng() -> Iterator[None]:
             np.random.set_state(state[1])
 
 
-class _Resources:
-    """What passes run on: the worker pool, the slab pool and the device stage (kept across passes
-    with ``persistent_workers``). Without pinning, the slab pool is the loader's and outlives the
-    iterator: the next epoch's workers write into slabs already grown and populated."""
-
-    def __init__(self, loader: Any, base_seed: int, tasks: dict, ready: dict):
-        self.stage = DeviceStage(loader.device, True if loader.pin_memory else None)
-        shared = loader._slab_pool() if not self.stage.pin else None
-        window = loader.prefetch_factor * loader.num_workers
-        self.pool = shared if shared is not None else SlabPool(on_map=self.stage.register, keep=window + 4)
-        spec = WorkerSpec(dataset=loader.dataset, iterable=loader._dataset_kind == _DatasetKind.Iterable,
-                          auto_collation=loader._auto_collation, collate_fn=loader.collate_fn,
-                          drop_last=loader.drop_last, on_error=loader.on_error,
-                          worker_init_fn=loader.worker_init_fn, num_workers=loader.num_workers,
-                          base_seed=base_seed)
-        self.workers = WorkerPool(loader.num_workers, loader._context(), spec)
-        self.stop = threading.Event()  # tells the receiver thread to end
-        self.finalizer = weakref.finalize(self, _shutdown, self.workers, self.pool, shared is None, self.stage,
-                                          tasks, ready, self.stop)
-
-
-def _shutdown(workers: WorkerPool, pool: SlabPool, own_pool: bool, stage: DeviceStage, tasks: dict,
-              ready: dict, stop: threading.Event) -> None:
-    stop.set()
-    workers.close()  # first: no worker writes into a slab after this
-    stage.close()
-    if own_pool:
-        pool.close()
-        return
-    for entry in itertools.chain(tasks.values(), (e for _, _, e in ready.values())):
-        pool.release(entry[2])  # slabs of batches nobody will read go back to the loader's pool
-    tasks.clear()
-    ready.clear()
-
-
 class WorkerIter(_Iter):
     """``num_workers > 0``: batches loaded by the worker pool into shared memory."""
 
@@ -402,14 +320,12 @@ class WorkerIter(_Iter):
         self._res = None
         self._stage = DeviceStage(None, False)
         super().__init__(loader)
-        self._tasks: dict[int, list] = {}  # seq -> [worker, index, slab id, retries]
-        self._ready: dict[int, tuple[int, Reply, list]] = {}
-        self._stale: dict[int, int] = {}  # slab id -> worker: tasks of a dropped pass still running
-        self._decoded: dict[int, Any] = {}  # seq -> batch unpickled ahead by the receiver thread
-        self._lock = threading.Lock()  # the main thread holds it in next(); the receiver between
-        self._res = _Resources(loader, self._base_seed, self._tasks, self._ready)
-        threading.Thread(target=_receiver, args=(weakref.ref(self), self._res.stop), daemon=True,
-                         name="torchforge-receiver").start()
+        self._res = Resources(loader, self._base_seed)
+        self._inbox = inbox = Inbox(self._res)
+        # the inbox's tables, under the names the pass works with (the same objects)
+        self._tasks, self._ready, self._stale, self._decoded = inbox.tasks, inbox.ready, inbox.stale, inbox.decoded
+        self._lock = inbox.lock
+        inbox.start_receiver()
         self._stage = self._res.stage
         self._window = loader.prefetch_factor * loader.num_workers
         self._start_workers()
@@ -428,7 +344,7 @@ class WorkerIter(_Iter):
             return super()._next_data()
 
     def _start_workers(self) -> None:
-        self._pass_id = next(_pass_ids)
+        self._inbox.pass_id = next(_pass_ids)
         self._sampler_done = False
         workers = self._res.workers
         for w in range(len(workers)):
@@ -440,14 +356,15 @@ class WorkerIter(_Iter):
         """Start worker ``w``'s pass from a dataset state, or (IterableDataset without one) ``drawn``
         samples into its iterator."""
         skip = drawn if state is None and self._iterable else 0
-        self._res.workers.send(w, NewPass(self._pass_id, dataset_state=state, skip=skip))
+        self._res.workers.send(w, NewPass(self._inbox.pass_id, dataset_state=state, skip=skip))
 
     def _drop_pass(self) -> None:
         """Forget the previous pass's batches. Slabs of batches already received go back to the pool;
         a slab a worker may still be writing into goes back when that task's late reply arrives (it is
         recognised by its pass id), never before."""
         for _, _, entry in self._ready.values():
-            self._res.pool.release(entry[2])
+            if entry[2] is not None:  # None: leased ahead, released with its batch
+                self._res.pool.release(entry[2])
         self._stale.update((e[2], e[0]) for e in self._tasks.values())
         self._tasks.clear()
         self._ready.clear()
@@ -488,7 +405,7 @@ class WorkerIter(_Iter):
     def _send(self, seq: int) -> None:
         w, index, sid, _ = self._tasks[seq]
         seed = batch_seed(self._base_seed, seq) if self._loader.seed_per_batch else None
-        self._res.workers.send(w, Task(self._pass_id, seq, sid, self._res.pool.path(sid), index, seed))
+        self._res.workers.send(w, Task(self._inbox.pass_id, seq, sid, self._res.pool.path(sid), index, seed))
 
     # --- receiving ----------------------------------------------------------------------------------
     def _host_next(self) -> tuple[Any, tuple]:
@@ -562,44 +479,13 @@ class WorkerIter(_Iter):
                         workers.retire(w)  # the pass has no more work for it: let it exit now
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             replies, dead = workers.poll(left)
-            got = self._accept(replies)
+            got = self._inbox.accept(replies)
             for w in dead:
                 self._respawn(w)
             if got or dead:
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 raise RuntimeError(f"DataLoader timed out after {timeout} seconds")
-
-    def _accept(self, replies: list[tuple[int, Reply]]) -> bool:
-        """File replies under their batch numbers; True if any belongs to this pass."""
-        got = False
-        for w, reply in replies:
-            entry = self._tasks.get(reply.seq) if reply.pass_id == self._pass_id else None
-            if entry is None or entry[0] != w:
-                if self._stale.pop(reply.slab, None) is not None:
-                    self._res.pool.release(reply.slab)  # a dropped pass's task is done with its slab
-                continue
-            del self._tasks[reply.seq]
-            self._ready[reply.seq] = (w, reply, entry)
-            got = True
-        return got
-
-    # --- the receiver thread ----------------------------------------------------------------------------
-    def _pump(self) -> bool:
-        """Receiver thread, under the lock: take the replies that arrived and unpickle one waiting
-        batch, so that ``next()`` finds it ready. Returns whether there was anything to do."""
-        replies, _ = self._res.workers.poll(0)  # deaths are left to the main thread (sentinels stay set)
-        did = self._accept(replies)
-        for seq in sorted(self._ready):
-            if seq in self._decoded:
-                continue
-            _, reply, entry = self._ready[seq]
-            if reply.stream is None:
-                continue
-            base = self._res.pool.lease(entry[2], reply.used)
-            self._decoded[seq] = decode(base, reply.stream[0], reply.stream[1], reply.buffers)
-            return True
-        return did
 
     def _respawn(self, w: int) -> None:
         workers = self._res.workers
@@ -652,38 +538,6 @@ class WorkerIter(_Iter):
 
     def __del__(self) -> None:
         self._shutdown_workers()
-
-
-def _receiver(ref: weakref.ref, stop: threading.Event) -> None:
-    """The receiver thread of a worker iterator: while the main thread is away (the training step),
-    it takes the workers' replies and unpickles the batches the next ``next()`` calls will return.
-    It holds the iterator only while it works, and ends with the iterator's workers."""
-    idle = 0.0
-    while not stop.is_set():
-        it = ref()
-        if it is None:
-            return
-        watch = [c for w, c in enumerate(it._res.workers.conns) if not it._res.workers.retired[w]]
-        del it
-        try:
-            mp.connection.wait(watch, 0.01)
-        except (OSError, ValueError):  # a pipe closed under us: a restart, or the end
-            pass
-        if idle:
-            time.sleep(idle)  # nothing to do although a pipe looked ready (a dead worker's EOF)
-        it = ref()
-        if it is None or stop.is_set():
-            return
-        try:
-            with it._lock:
-                if stop.is_set():
-                    return
-                did = it._pump()
-        except Exception:  # noqa: BLE001 - the main thread meets the same failure and reports it
-            return
-        finally:
-            del it
-        idle = 0.0 if did else min(max(idle * 2, 0.0005), 0.01)
 
 
 def _short(index: Any) -> str:

@@ -101,6 +101,7 @@ class SlabPool:
         self._memfd = _memfd_ok() if use_memfd is None else use_memfd
         self._slabs: dict[int, _Slab] = {}
         self._free: collections.deque[int] = collections.deque()
+        self._free_ids: set[int] = set()
         self._on_map = on_map
         self._keep = max(int(keep), 1)
         self._detached: list[int] = []
@@ -119,6 +120,7 @@ class SlabPool:
         """A free slab (a new one if none is free): its id and the path a worker opens it by."""
         while self._free:
             sid = self._free.popleft()
+            self._free_ids.discard(sid)
             slab = self._slabs.get(sid)
             if slab is not None:
                 return sid, slab.path
@@ -138,8 +140,9 @@ class SlabPool:
 
     def release(self, sid: int) -> None:
         """Return a slab whose contents nobody references (a task that produced no batch)."""
-        if not self._closed and sid in self._slabs:
+        if not self._closed and sid in self._slabs and sid not in self._free_ids:
             self._free.append(sid)
+            self._free_ids.add(sid)  # a slab on the free list twice would go to two writers at once
 
     def lease(self, sid: int, used: int) -> np.ndarray:
         """A fresh uint8 base array over the first ``used`` bytes; the slab is freed when it dies."""
@@ -182,6 +185,7 @@ class SlabPool:
         """Close every descriptor (and unlink fallback files); mappings users still hold stay valid."""
         self._closed = True
         self._free.clear()
+        self._free_ids.clear()
         self._finalizer()
 
 

@@ -27,7 +27,7 @@ import torch
 
 from torchforge.loader.fetch import stateful
 
-__all__ = ["STATE_VERSION", "generators", "get_rng", "sampler_of", "set_rng"]
+__all__ = ["STATE_VERSION", "Position", "generators", "get_rng", "sampler_of", "set_rng"]
 
 STATE_VERSION = 1
 
@@ -63,3 +63,50 @@ def set_rng(gens: dict[str, torch.Generator | None], saved: dict[str, str]) -> N
 
 def _state(g: torch.Generator | None) -> torch.Tensor:
     return torch.get_rng_state() if g is None else g.get_state()
+
+
+class Position:
+    """Where a pass stands, kept by the loader beyond the iterator's life (``break`` ends an iterator,
+    not the position): what :meth:`state_dict` is made of."""
+
+    def __init__(self, workers: int):
+        self.finished = False
+        self.batches = 0  # yielded in order
+        self.extra: set[int] = set()  # in_order=False: yielded beyond the position
+        self.samples = 0  # sampler indices the yielded batches consumed
+        self.base_seed = 0
+        self.rng0: dict[str, str] = {}
+        self.sampler_start: Any = None
+        self.worker_state: list[Any] = [None] * workers
+        self.drawn = [0] * workers
+        self.ended = [False] * workers
+        self.assigned: list[int] = []  # workers of the batches issued after the position
+        self.next_worker = 0
+
+    def state_dict(self, loader: Any, iterable: bool) -> dict[str, Any]:
+        target = sampler_of(loader)
+        has_state_at = callable(getattr(target, "state_at", None))
+        sampler_state = None
+        if not iterable:
+            if has_state_at:
+                sampler_state = target.state_at(self.samples)
+            elif self.finished and stateful(target):
+                sampler_state = target.state_dict()
+            else:
+                sampler_state = self.sampler_start
+        return {
+            "version": STATE_VERSION,
+            "finished": self.finished,
+            "batches": self.batches,
+            "extra": sorted(self.extra),
+            "samples": self.samples,
+            "base_seed": int(self.base_seed),
+            "rng": None if self.finished else dict(self.rng0),
+            "sampler": sampler_state,
+            "skip_batches": not self.finished and not has_state_at,
+            "dataset": loader.dataset.state_dict() if stateful(loader.dataset) else None,
+            "workers": [{"state": s, "drawn": d, "ended": e}
+                        for s, d, e in zip(self.worker_state, self.drawn, self.ended)],
+            "assigned": list(self.assigned),
+            "next_worker": self.next_worker,
+        }
