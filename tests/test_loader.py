@@ -371,3 +371,17 @@ def test_persistent_workers_released_when_loader_is_collected(no_leaks):
     loader = DataLoader(Samples(40), 8, num_workers=2, persistent_workers=True)
     assert [len(b) for b in _ids(loader)] == [8] * 5
     del loader  # the no_leaks fixture checks that the workers and slabs are gone
+
+
+def test_persistent_epoch_left_with_batches_in_flight_then_a_full_epoch_is_exact(no_leaks):
+    # the left epoch's tasks still run in the workers while the next epoch's are issued: their slabs
+    # must not be handed to the new tasks before those late replies arrive
+    loader = DataLoader(Samples(240, jitter=0.0003), 8, num_workers=2, persistent_workers=True, prefetch_factor=3)
+    want = _expected(list(range(240)), 8)
+    for _ in range(3):
+        it = iter(loader)
+        assert [next(it)["id"].tolist() for _ in range(2)] == want[:2]
+        got = [(b["id"].tolist(), b["image"]["data"][:, 0].tolist()) for b in loader]
+        assert [ids for ids, _ in got] == want
+        assert all(firsts == [i % 251 for i in ids] for ids, firsts in got)  # no batch overwritten
+    loader.close()
