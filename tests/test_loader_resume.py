@@ -134,6 +134,20 @@ def test_order_resumes_without_per_batch_seeds(kind):
     assert got + [b["id"].tolist() for b in resumed] == want
 
 
+def test_state_of_a_loader_never_iterated_changes_nothing():
+    def make():
+        return DataLoader(Noisy(), BS, shuffle=True, num_workers=2, persistent_workers=True)
+
+    torch.manual_seed(3)
+    want = [_flat(b) for b in make()]
+    fresh = make().state_dict()
+    assert fresh["finished"] and fresh["batches"] == 0
+    torch.manual_seed(3)
+    loader = make()
+    loader.load_state_dict(fresh)
+    assert [_flat(b) for b in loader] == want  # the base seed is drawn as usual, not taken from the state
+
+
 def test_loader_never_overrides_a_state_loaded_into_the_sampler():
     sampler = GlobalSampler(40, shuffle=True, seed=5)
     order = list(GlobalSampler(40, shuffle=True, seed=5))

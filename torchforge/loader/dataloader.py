@@ -79,8 +79,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.seed_per_batch = bool(seed_per_batch)
         self.skipped = 0  #: samples left out under on_error="skip", over the loader's lifetime
         self._resume: dict[str, Any] | None = None
-        self._carried_seed: int | None = None
-        self._slabs: Any = None  # see _slab_pool  # persistent workers resumed at a pass boundary
+        self._carried_seed: int | None = None  # persistent workers resumed at a pass boundary
+        self._slabs: Any = None  # see _slab_pool
         self._pos: Any = None  # the Position of the latest pass (it outlives its iterator)
 
     # --- iteration ----------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         else:
             target = sampler_of(self)
             state = {"version": STATE_VERSION, "finished": True, "batches": 0, "extra": [], "samples": 0,
-                     "base_seed": 0, "rng": None, "skip_batches": False, "workers": [], "assigned": [],
+                     "base_seed": None, "rng": None, "skip_batches": False, "workers": [], "assigned": [],
                      "next_worker": 0,
                      "sampler": target.state_dict() if stateful(target) else None,
                      "dataset": self.dataset.state_dict() if stateful(self.dataset) else None}
@@ -158,7 +158,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._resume = dict(state)
             return
         self._resume = None
-        if self.persistent_workers and self.num_workers > 0:
+        if self.persistent_workers and self.num_workers > 0 and state["base_seed"] is not None:
             # the saved run's workers went on into the next pass with their base seed (torch's _reset)
             self._carried_seed = int(state["base_seed"])
         if state["sampler"] is not None:

@@ -39,6 +39,7 @@ class Resources:
     def __init__(self, loader: Any, base_seed: int):
         self.tasks: dict[int, list] = {}  # seq -> [worker, index, slab id (None once leased), retries]
         self.ready: dict[int, tuple[int, Reply, list]] = {}  # seq -> (worker, reply, task entry)
+        self.stale: dict[int, int] = {}  # slab id -> worker: tasks of a dropped pass still running
         self.stage = DeviceStage(loader.device, True if loader.pin_memory else None)
         shared = loader._slab_pool() if not self.stage.pin else None
         window = loader.prefetch_factor * loader.num_workers
@@ -51,11 +52,11 @@ class Resources:
         self.workers = WorkerPool(loader.num_workers, loader._context(), spec)
         self.stop = threading.Event()  # tells the receiver thread to end
         self.finalizer = weakref.finalize(self, _shutdown, self.workers, self.pool, shared is None, self.stage,
-                                          self.tasks, self.ready, self.stop)
+                                          self.tasks, self.ready, self.stale, self.stop)
 
 
 def _shutdown(workers: WorkerPool, pool: SlabPool, own_pool: bool, stage: DeviceStage, tasks: dict,
-              ready: dict, stop: threading.Event) -> None:
+              ready: dict, stale: dict, stop: threading.Event) -> None:
     stop.set()
     workers.close()  # first: no worker writes into a slab after this
     stage.close()
@@ -65,8 +66,11 @@ def _shutdown(workers: WorkerPool, pool: SlabPool, own_pool: bool, stage: Device
     for entry in itertools.chain(tasks.values(), (e for _, _, e in ready.values())):
         if entry[2] is not None:  # None: leased ahead, released with its batch
             pool.release(entry[2])  # slabs of batches nobody will read go back to the loader's pool
+    for sid in stale:
+        pool.release(sid)
     tasks.clear()
     ready.clear()
+    stale.clear()
 
 
 class Inbox:
@@ -75,8 +79,7 @@ class Inbox:
 
     def __init__(self, res: Resources):
         self.res = res
-        self.tasks, self.ready = res.tasks, res.ready
-        self.stale: dict[int, int] = {}  # slab id -> worker: tasks of a dropped pass still running
+        self.tasks, self.ready, self.stale = res.tasks, res.ready, res.stale
         self.decoded: dict[int, Any] = {}  # seq -> batch unpickled ahead by the receiver thread
         self.lock = threading.Lock()
         self.pass_id = 0
