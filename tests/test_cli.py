@@ -78,6 +78,30 @@ def test_convert_refuses_to_overwrite(tmp_path, fixture_copy, capsys):
     assert (dst / "keep").read_text() == "mine"
 
 
+@pytest.mark.parametrize("where", ["same", "parent", "inside"])
+def test_convert_refuses_a_destination_that_is_contains_or_lies_inside_the_source(where, tmp_path, capsys):
+    root = tmp_path / "data"
+    shutil.copytree(os.path.join(INTEROP, "mds-streaming-none"), root / "src")
+    src = root / "src"
+    dst = {"same": src, "parent": root, "inside": src / "out"}[where]
+    before = sorted((p.name, p.stat().st_size) for p in src.iterdir())
+    assert main(["convert", str(src), str(dst), "--to", "jinx", "-q", "--overwrite"]) == 2
+    assert "outside the source" in capsys.readouterr().err
+    assert sorted((p.name, p.stat().st_size) for p in src.iterdir()) == before  # nothing deleted or added
+
+
+@pytest.mark.parametrize("opener", ["open_dataset", "JinxDataset", "MDSDataset", "SafetensorsDataset"])
+def test_missing_path_is_a_torchforge_error_and_a_file_not_found_error(opener, tmp_path, capsys):
+    import torchforge
+    from torchforge.errors import TorchforgeError
+
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError) as e:
+        getattr(torchforge, opener)(missing)
+    assert isinstance(e.value, TorchforgeError) and str(missing) in str(e.value)
+    assert main(["inspect", str(missing)]) != 0
+
+
 @pytest.mark.parametrize("name", sorted(n for n in os.listdir(INTEROP) if n.startswith(("jinx-", "mds-"))))
 def test_inspect_and_verify_good_fixtures(name, fixture_copy, capsys):
     path = fixture_copy(name)

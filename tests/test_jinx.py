@@ -355,8 +355,9 @@ def test_writer_checks_options(tmp_path, opts):
 def test_dataset_checks_arguments(tmp_path):
     with pytest.raises(ValueError, match="on_error"):
         JinxDataset(os.path.join(FIXTURES, "jinx-a85-zst-inline"), on_error="ignore")
-    with pytest.raises(FormatError, match="no such"):
+    with pytest.raises(FileNotFoundError, match="no such") as e:
         JinxDataset(tmp_path / "missing")
+    assert isinstance(e.value, TorchforgeError) and e.value.path == str(tmp_path / "missing")
     with pytest.raises(FormatError, match="given"):
         JinxDataset([])
     os.makedirs(tmp_path / "nothing")

@@ -463,8 +463,9 @@ def test_bad_index_json(tmp_path, small):
         with pytest.raises(TorchforgeError, match=msg) as e:
             MDSDataset(small)
         assert e.value.path == path
-    with pytest.raises(FormatError, match="no MDS index.json"):
+    with pytest.raises(FileNotFoundError, match="no MDS index.json") as e:
         MDSDataset(str(tmp_path))
+    assert isinstance(e.value, TorchforgeError)
 
 
 def test_corrupt_compressed_sample(tmp_path):

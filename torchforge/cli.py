@@ -56,6 +56,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     options = {k.replace("-", "_"): _num(v) for k, v in options.items()}
     if args.columns:
         options["columns"] = json.loads(args.columns)
+    clash = _overlap(args.src, args.dst)
+    if clash:
+        print(f"torchforge convert: {clash}; write to a destination outside the source", file=sys.stderr)
+        return 2
     if (os.path.isdir(args.dst) and os.listdir(args.dst)) or os.path.isfile(args.dst):
         if not args.overwrite:
             print(f"torchforge convert: {args.dst} exists and is not empty; pass --overwrite", file=sys.stderr)
@@ -71,6 +75,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
     for where in stats.skipped_where:
         print(f"  skipped {where}")
     return 0
+
+
+def _overlap(src: str, dst: str) -> str:
+    """Why ``dst`` cannot be written (and, with --overwrite, deleted) without touching ``src``, or ''."""
+    s, d = os.path.realpath(src), os.path.realpath(dst)
+    if s == d:
+        return f"DST {dst} is SRC {src}"
+    if s.startswith(d.rstrip(os.sep) + os.sep):
+        return f"DST {dst} contains SRC {src}"
+    if d.startswith(s.rstrip(os.sep) + os.sep):
+        return f"DST {dst} lies inside SRC {src}"
+    return ""
 
 
 def _dataset_info(path: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ __all__ = [
     "CodecError",
     "CorruptShardError",
     "FormatError",
+    "NotFoundError",
     "SafetensorsError",
     "TorchforgeError",
     "WorkerError",
@@ -52,6 +53,11 @@ def _rebuild(cls: type, reason: str, path: str | None, offset: int | None, state
     TorchforgeError.__init__(err, reason, path=path, offset=offset)
     err.__dict__.update(state)
     return err
+
+
+class NotFoundError(TorchforgeError, FileNotFoundError):
+    """A path the caller named (a dataset, a shard, an index) does not exist: both a TorchforgeError and
+    a FileNotFoundError, so either ``except`` catches it."""
 
 
 class FormatError(TorchforgeError, ValueError):

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch.utils.data
 
-from torchforge.errors import FormatError, TorchforgeError
+from torchforge.errors import FormatError, NotFoundError, TorchforgeError
 
 __all__ = ["KEY_CACHE_PREFIX", "ShardDataset"]
 
@@ -198,7 +198,7 @@ def open_dataset(path: str | os.PathLike, **kwargs: Any) -> ShardDataset:
     """
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FormatError("no such file or folder", path=path)
+        raise NotFoundError("no such file or folder", path=path)
     _load_builtins()
     for cls, detect in _FORMATS.values():
         if detect(path):

@@ -15,7 +15,7 @@ from typing import Any
 
 from torchforge._limits import ensure_open_files
 from torchforge.datasets.base import ShardDataset, register_format
-from torchforge.errors import FormatError, TorchforgeError
+from torchforge.errors import FormatError, NotFoundError, TorchforgeError
 from torchforge.formats.jinx_reader import LINE_ERRORS, JinxShard, sidecar_path
 from torchforge.lazy import lazy_sample
 
@@ -38,7 +38,7 @@ def _shard_paths(path_or_paths: str | os.PathLike | Sequence[str | os.PathLike])
         elif os.path.exists(p):
             paths.append(p)
         else:
-            raise FormatError("no such JINX file or folder", path=p)
+            raise NotFoundError("no such JINX file or folder", path=p)
     if not paths:
         raise FormatError("no JINX files or folders given")
     return paths

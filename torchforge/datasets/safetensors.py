@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from torchforge.datasets.base import ShardDataset, register_format
-from torchforge.errors import CorruptShardError, FormatError
+from torchforge.errors import CorruptShardError, FormatError, NotFoundError
 from torchforge.formats.safetensors import (
     SafetensorsFile,
     TensorInfo,
@@ -92,7 +92,7 @@ class SafetensorsDataset(ShardDataset):
     def __init__(self, path: str | os.PathLike, *, columns: Iterable[str] | None = None):
         self.path = os.fspath(path)
         if not os.path.exists(self.path):
-            raise FormatError("no such file or folder", path=self.path)
+            raise NotFoundError("no such file or folder", path=self.path)
         self._files = _shard_files(self.path)
         if not self._files:
             raise FormatError(f"no *{SUFFIX} shards in the folder", path=self.path)

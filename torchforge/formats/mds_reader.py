@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from torchforge.errors import CodecError, CorruptShardError, FormatError, TorchforgeError
+from torchforge.errors import CodecError, CorruptShardError, FormatError, NotFoundError, TorchforgeError
 from torchforge.formats.mds import INDEX_BASENAME, Compression, parse_mds_compression
 from torchforge.formats.mds_encodings import Encoding, get_encoding
 
@@ -115,7 +115,7 @@ def read_index(folder: str) -> list[ShardMeta]:
         with open(path, "rb") as f:
             obj = json.loads(f.read())
     except FileNotFoundError:
-        raise FormatError("no MDS index.json here", path=path) from None
+        raise NotFoundError("no MDS index.json here", path=path) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise FormatError(f"index.json is not JSON ({e})", path=path, offset=getattr(e, "pos", None)) from None
     if not isinstance(obj, Mapping) or obj.get("version") != 2 or not isinstance(obj.get("shards"), list):
