@@ -3,8 +3,8 @@
 Python's ``mmap`` duplicates the descriptor it maps, so a dataset that has touched ``n`` shard files
 holds ``n`` descriptors (JINX: shard and sidecar). The usual soft limit of 1024 would stop a random
 pass over a thousand shards with ``EMFILE``. Before opening many files, :func:`ensure_open_files`
-raises the process's soft limit toward the hard limit (as ``ulimit -n`` would), once, and warns when
-even the hard limit is too low.
+raises the process's soft limit toward the hard limit (as ``ulimit -n`` would), once, logs that it did
+(INFO, logger ``torchforge._limits``), and warns when even the hard limit is too low.
 """
 from __future__ import annotations
 
@@ -56,6 +56,9 @@ def ensure_open_files(count: int, what: str = "dataset") -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
         except (OSError, ValueError):
             new = soft
+        if new > soft:
+            log.info("raised this process's open-file soft limit from %d to %d (hard limit %s): %s may hold "
+                     "%d open files", soft, new, hard, what, count)
         if new < want:
             log.warning("%s may hold %d open files but the open-file limit is %d (hard limit %s): "
                         "raise it (ulimit -n) or expect 'Too many open files'", what, count, new, hard)
