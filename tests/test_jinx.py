@@ -384,6 +384,23 @@ def test_writer_refuses_a_folder_with_shards(tmp_path):
     assert [dict(s) for s in JinxDataset(tmp_path / "d")] == [{"id": 1}]
 
 
+@pytest.mark.parametrize("shard_size", [20_000, None])
+def test_a_with_block_that_raises_leaves_no_dataset_that_reads_as_complete(tmp_path, shard_size):
+    path = tmp_path / ("d" if shard_size else "one.jinx")
+    with pytest.raises(RuntimeError, match="job died"), \
+            JinxWriter(path, shard_size=shard_size, binary_threshold=256) as w:
+        for s in rich(40, 2):  # several finished shards, then the failure
+            w.write(s)
+        raise RuntimeError("job died")
+    assert not (os.path.exists(path) and os.path.isfile(path))
+    assert not shard_size or os.listdir(path) == []  # every shard and sidecar it wrote is gone
+    with pytest.raises(TorchforgeError):
+        open_dataset(path)
+    with JinxWriter(tmp_path / "ok", shard_size=20_000) as w:  # without an error: finished as before
+        w.write({"id": 1})
+    assert [dict(s) for s in JinxDataset(tmp_path / "ok")] == [{"id": 1}]
+
+
 def test_plans_stay_bounded_over_records_keyed_by_ids(tmp_path, monkeypatch):
     from torchforge import lazy
 

@@ -235,7 +235,8 @@ class JinxWriter:
         overwrite: delete the ``shard-*.jinx`` (and ``.binx``) files already in the folder; without it a
             folder that holds shards is refused (the new shards would be mixed with stale ones).
 
-    Use it as a context manager, or call :meth:`close`.
+    Use it as a context manager, or call :meth:`close`. When the ``with`` block raises, the writer
+    calls :meth:`abort` instead: the shards it wrote are deleted, none is left looking complete.
 
     >>> with JinxWriter("data/train", encoding="b64") as w:  # doctest: +SKIP
     ...     for s in samples:
@@ -311,8 +312,24 @@ class JinxWriter:
             self._shard.close(self.shard_id, self._prev, None)
             self._shard = None
 
+    def abort(self) -> None:
+        """Stop without finishing: close the files and delete every shard (and sidecar) this writer
+        wrote, finished ones included, so that no part of an unfinished dataset reads as complete."""
+        shard, self._shard = self._shard, None
+        if shard is not None:
+            shard.file.close()
+            if shard.bin is not None:
+                shard.bin.close()
+        for f in self.files:
+            for g in (f, sidecar_path(f)):
+                if os.path.exists(g):
+                    os.unlink(g)
+
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()  # the with block raised: a footer now would make a truncated dataset look whole
