@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import struct
 import subprocess
@@ -458,7 +459,12 @@ def test_bad_index_json(tmp_path, small):
                       (good.replace('"shard.00000.mds"', '"../x.mds"', 1), "leaves the dataset folder"),
                       (good.replace('"bytes"', '"ndarray:int"', 1), "dtype 'int' is not one of"),
                       (good.replace('"bytes"', '"blob"', 1), "unknown MDS encoding"),
-                      (good.replace('"compression": null', '"compression": "lzw"', 1), "not one of")]:
+                      (good.replace('"compression": null', '"compression": "lzw"', 1), "not one of"),
+                      (re.sub(r'"column_names": \["(\w+)"', r'"column_names": [["\1"]', good, count=1),
+                       "'column_names' holds"),
+                      (re.sub(r'"column_encodings": \["', r'"column_encodings": [7, "', good, count=1)
+                       .replace('"column_names": [', '"column_names": ["extra", ', 1)
+                       .replace('"column_sizes": [', '"column_sizes": [8, ', 1), "'column_encodings' holds 7")]:
         _save(path, text.encode())
         with pytest.raises(TorchforgeError, match=msg) as e:
             MDSDataset(small)

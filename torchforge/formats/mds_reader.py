@@ -90,6 +90,10 @@ def parse_shard_entry(entry: Any, where: str, path: str) -> ShardMeta:
     names = _field(entry, "column_names", list, where, path)
     encs = _field(entry, "column_encodings", list, where, path)
     sizes = _field(entry, "column_sizes", list, where, path)
+    for key, values in (("column_names", names), ("column_encodings", encs)):
+        odd = next((v for v in values if not isinstance(v, str)), None)
+        if odd is not None:
+            raise FormatError(f"{where}: {key!r} holds {odd!r}, not a string", path=path)
     if not len(names) == len(encs) == len(sizes) or len(set(names)) != len(names):
         raise FormatError(f"{where}: column_names, column_encodings and column_sizes disagree", path=path)
     for name, enc_name, size in zip(names, encs, sizes):
