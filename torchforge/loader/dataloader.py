@@ -12,10 +12,9 @@ import torch
 import torch.utils.data
 from torch.utils.data.dataloader import _DatasetKind
 
-from torchforge.loader.fetch import stateful
 from torchforge.loader.iterator import InProcessIter, WorkerIter
 from torchforge.loader.slabs import SlabPool
-from torchforge.loader.state import STATE_VERSION, sampler_of, set_rng
+from torchforge.loader.state import STATE_VERSION, Position, sampler_of, set_rng
 
 __all__ = ["DataLoader"]
 
@@ -127,15 +126,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         dataset states (see :mod:`torchforge.loader.state`). Plain data."""
         if self._resume is not None:
             return dict(self._resume)
-        if self._pos is not None:
-            state = self._pos.state_dict(self, self._dataset_kind == _DatasetKind.Iterable)
-        else:
-            target = sampler_of(self)
-            state = {"version": STATE_VERSION, "finished": True, "batches": 0, "extra": [], "samples": 0,
-                     "base_seed": None, "rng": None, "skip_batches": False, "workers": [], "assigned": [],
-                     "next_worker": 0,
-                     "sampler": target.state_dict() if stateful(target) else None,
-                     "dataset": self.dataset.state_dict() if stateful(self.dataset) else None}
+        pos = self._pos
+        if pos is None:  # no pass yet: a position at the end of a pass that never began
+            pos = Position(max(self.num_workers, 1))
+            pos.finished = True
+        state = pos.state_dict(self, self._dataset_kind == _DatasetKind.Iterable)
         if state["finished"] and self.generator is not None:
             state["generator"] = self.generator.get_state().numpy().tobytes().hex()
         return state

@@ -115,7 +115,6 @@ class _Iter(_BaseDataLoaderIter):
             self._primed = _NOTHING
             self._primed = self._pull_index()  # the sampler's first draws happen here, in every run
             skip = int(resume["batches"]) if resume is not None and resume.get("skip_batches") else 0
-            self._skip_ahead = skip
         finally:
             if user_rng is not None:
                 torch.set_rng_state(user_rng)
@@ -127,10 +126,9 @@ class _Iter(_BaseDataLoaderIter):
         self._rr = 0
         if resume is not None:
             self._restore_position(resume)
-        for _ in range(self._skip_ahead if not self._iterable else 0):
+        for _ in range(skip if not self._iterable else 0):
             if self._pull_index() is _NOTHING:  # indices of batches already yielded: drawn, not loaded
                 break
-        self._skip_ahead = 0
         self._staged: Any = None
         self._deferred: BaseException | None = None
 

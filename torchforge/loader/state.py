@@ -74,7 +74,7 @@ class Position:
         self.batches = 0  # yielded in order
         self.extra: set[int] = set()  # in_order=False: yielded beyond the position
         self.samples = 0  # sampler indices the yielded batches consumed
-        self.base_seed = 0
+        self.base_seed: int | None = None  # None: no pass has begun
         self.rng0: dict[str, str] = {}
         self.sampler_start: Any = None
         self.worker_state: list[Any] = [None] * workers
@@ -100,7 +100,7 @@ class Position:
             "batches": self.batches,
             "extra": sorted(self.extra),
             "samples": self.samples,
-            "base_seed": int(self.base_seed),
+            "base_seed": None if self.base_seed is None else int(self.base_seed),
             "rng": None if self.finished else dict(self.rng0),
             "sampler": sampler_state,
             "skip_batches": not self.finished and not has_state_at,
