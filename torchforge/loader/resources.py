@@ -51,14 +51,19 @@ class Resources:
                           base_seed=base_seed)
         self.workers = WorkerPool(loader.num_workers, loader._context(), spec)
         self.stop = threading.Event()  # tells the receiver thread to end
+        self.threads: list[threading.Thread] = []  # the receiver thread, joined at shutdown
         self.finalizer = weakref.finalize(self, _shutdown, self.workers, self.pool, shared is None, self.stage,
-                                          self.tasks, self.ready, self.stale, self.stop)
+                                          self.tasks, self.ready, self.stale, self.stop, self.threads)
 
 
 def _shutdown(workers: WorkerPool, pool: SlabPool, own_pool: bool, stage: DeviceStage, tasks: dict,
-              ready: dict, stale: dict, stop: threading.Event) -> None:
+              ready: dict, stale: dict, stop: threading.Event, threads: list[threading.Thread]) -> None:
     stop.set()
     workers.close()  # first: no worker writes into a slab after this
+    for t in threads:  # the thread holds the pools until it ends: join it, so that shutdown frees them now
+        if t is not threading.current_thread():
+            t.join(timeout=5.0)
+    threads.clear()
     stage.close()
     if own_pool:
         pool.close()
@@ -85,7 +90,9 @@ class Inbox:
         self.pass_id = 0
 
     def start_receiver(self) -> None:
-        threading.Thread(target=_receive_loop, args=(self,), daemon=True, name="torchforge-receiver").start()
+        thread = threading.Thread(target=_receive_loop, args=(self,), daemon=True, name="torchforge-receiver")
+        self.res.threads.append(thread)
+        thread.start()
 
     def accept(self, replies: list[tuple[int, Reply]]) -> bool:
         """File replies under their batch numbers; True if any belongs to the current pass."""
@@ -130,11 +137,15 @@ def _receive_loop(inbox: Inbox) -> None:
             pass
         if idle:
             time.sleep(idle)  # nothing to do although a pipe looked ready (a dead worker's EOF)
+        # the lock with a timeout: shutdown may run in the main thread while it holds the lock, and joins us
+        if not inbox.lock.acquire(timeout=0.01):
+            continue
         try:
-            with inbox.lock:
-                if stop.is_set():
-                    return
-                did = inbox.pump()
+            if stop.is_set():
+                return
+            did = inbox.pump()
         except Exception:  # noqa: BLE001 - the main thread meets the same failure and reports it
             return
+        finally:
+            inbox.lock.release()
         idle = 0.0 if did else min(max(idle * 2, 0.0005), 0.01)
