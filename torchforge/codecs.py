@@ -9,15 +9,17 @@ from __future__ import annotations
 import bz2
 import gzip
 import lzma
-import os
 import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import zstandard  # a hard dependency
 
 from torchforge.errors import CodecError
 
-__all__ = ["CODECS", "Codec", "compress", "decompress", "get_codec", "parse_compression"]
+__all__ = ["CODECS", "Codec", "compress", "decompress", "get_codec", "parse_compression", "unzstd"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -34,16 +36,21 @@ class Codec:
     name: str
     package: str
     _compress: Callable[[Buffer, int | None], bytes]
-    _decompress: Callable[[Buffer], bytes]
+    _decompress: Callable[[Buffer, int | None], bytes]  # (data, limit): output past limit may be cut off
     default_level: int | None = None
 
     def compress(self, data: Buffer, level: int | None = None) -> bytes:
         return self._compress(data, self.default_level if level is None else level)
 
-    def decompress(self, data: Buffer, *, path: str | None = None, offset: int | None = None) -> bytes:
-        """Decompress ``data``; failures raise CodecError naming ``path`` and ``offset``."""
+    def decompress(self, data: Buffer, *, path: str | None = None, offset: int | None = None,
+                   limit: int | None = None) -> bytes:
+        """Decompress ``data``; failures raise CodecError naming ``path`` and ``offset``.
+
+        With ``limit``, output longer than ``limit`` bytes raises CodecError; zstd checks a frame's
+        claimed size before allocating, gz/bz2/xz stop decompressing one byte past the limit.
+        """
         try:
-            return self._decompress(data)
+            out = self._decompress(data, limit)
         except CodecError as e:
             if e.path is not None or path is None:
                 raise
@@ -51,62 +58,99 @@ class Codec:
         except Exception as e:  # every library has its own error type
             raise CodecError(f"corrupt {self.name} data ({type(e).__name__}: {e})", path=path,
                              offset=offset) from e
+        if limit is not None and len(out) > limit:
+            raise CodecError(f"{self.name} data decompresses to more than {limit} bytes", path=path, offset=offset)
+        return out
 
 
-# --- zstd: one compressor/decompressor per thread and process (contexts are not thread-safe) ----------
+# --- zstd: the one decompression path (JINX values, MDS samples and shards) ---------------------------
+# One compressor/decompressor per thread (zstd contexts are not thread-safe). A forked child inherits a
+# copy of its parent's thread's contexts, which is safe: the child's thread is the only user of the copy.
 _tls = threading.local()
-
-
-def _zstd():
-    try:
-        import zstandard
-    except ImportError as e:  # pragma: no cover - zstandard is a hard dependency
-        raise CodecError("zstd needs the 'zstandard' package: pip install zstandard") from e
-    return zstandard
-
-
-def _zstd_ctx(kind: str, level: int | None = None):
-    key = (kind, level, os.getpid())
-    cache = getattr(_tls, "zstd", None)
-    if cache is None:
-        cache = _tls.zstd = {}
-    ctx = cache.get(key)
-    if ctx is None:
-        zstandard = _zstd()
-        ctx = zstandard.ZstdDecompressor() if kind == "d" else zstandard.ZstdCompressor(level=level)
-        cache[key] = ctx
-    return ctx
+# zstd output per compressed byte, at most: a block yields <= 128 KiB and takes >= 4 bytes (an RLE block's
+# 3-byte header and its byte). A frame that claims more than this for its length is lying.
+_ZSTD_MAX_RATIO = (128 << 10) // 4
+_SIZED_FAST = 1 << 15
+_UNKNOWN = zstandard.CONTENTSIZE_UNKNOWN  # frames with a content size at least this large go through one-shot decompress
 
 
 def _zstd_compress(data: Buffer, level: int | None) -> bytes:
-    return _zstd_ctx("c", 3 if level is None else level).compress(data)
+    level = 3 if level is None else level
+    cache = getattr(_tls, "zstd_c", None)
+    if cache is None:
+        cache = _tls.zstd_c = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = zstandard.ZstdCompressor(level=level)
+    return cctx.compress(data)
 
 
-def _zstd_decompress(data: Buffer) -> bytes:
-    dctx = _zstd_ctx("d")
-    zstandard = _zstd()
+def unzstd(data: Buffer, *, limit: int | None = None, path: str | None = None, offset: int | None = None) -> bytes:
+    """Decompress zstd data: one frame or several concatenated, with or without a content size.
+
+    Bounded: a frame whose claimed content size exceeds ``limit`` (when given) or what its length can
+    possibly hold raises :class:`CodecError` before anything is allocated; output without a claimed
+    size is cut off at ``limit``. Errors name ``path`` and ``offset``.
+    """
     try:
-        params = zstandard.get_frame_parameters(data)
+        dctx = _tls.zstd_d
+    except AttributeError:
+        dctx = _tls.zstd_d = zstandard.ZstdDecompressor()
+    try:
+        size = zstandard.get_frame_parameters(data).content_size
     except zstandard.ZstdError as e:
-        raise CodecError(f"not a zstd frame ({e})") from e
-    if params.content_size and params.content_size != zstandard.CONTENTSIZE_UNKNOWN:
-        try:
-            return dctx.decompress(data, allow_extra_data=False)
-        except zstandard.ZstdError as e:
-            if "unused data" not in str(e):
-                raise
-        # more frames follow the first: the incremental path below goes through all of them
-    # Streamed frames carry no content size (MLDataForge writes them): decompress incrementally, and
-    # go on through concatenated frames.
+        raise CodecError(f"not a zstd frame ({e})", path=path, offset=offset) from None
+    bound = len(data) * _ZSTD_MAX_RATIO if limit is None else min(limit, len(data) * _ZSTD_MAX_RATIO)
+    if size != _UNKNOWN:
+        if size > bound:
+            why = f"the limit of {limit} bytes" if limit is not None and limit < size else (
+                f"what {len(data)} compressed bytes can hold")
+            raise CodecError(f"zstd frame claims {size} bytes decompressed, more than {why}", path=path,
+                             offset=offset)
+        if size >= _SIZED_FAST:
+            try:
+                return dctx.decompress(data, allow_extra_data=False)
+            except zstandard.ZstdError as e:
+                if "unused data" not in str(e):
+                    raise CodecError(f"corrupt zst data ({e})", path=path, offset=offset) from None
+                # more frames follow the first: the general path below goes through all of them
+    try:
+        if limit is None:  # fast path: one frame, bounded by its length (the ratio above)
+            dobj = dctx.decompressobj()
+            out = dobj.decompress(data)
+            if dobj.eof and not dobj.unused_data:
+                return out
+        else:  # output without a claimed size is read only up to the limit, then decompressed for real
+            probe = dctx.stream_reader(data, read_across_frames=True, closefd=False).read(limit + 1)
+            if len(probe) > limit:
+                raise CodecError(f"zstd data decompresses to more than the limit of {limit} bytes", path=path,
+                                 offset=offset)
+        return _unzstd_frames(dctx, data, bound, path, offset)
+    except zstandard.ZstdError as e:
+        raise CodecError(f"corrupt zst data ({e})", path=path, offset=offset) from None
+
+
+def _unzstd_frames(dctx: Any, data: Buffer, bound: int, path: str | None, offset: int | None) -> bytes:
+    """Every frame of ``data``, each one's claimed size checked before it is decompressed, the total
+    checked against ``bound`` after each frame (a frame without a claimed size can produce at most
+    ``_ZSTD_MAX_RATIO`` times its length before the check)."""
     out = bytearray()
     view = memoryview(data)
     while len(view):
+        try:
+            size = zstandard.get_frame_parameters(view).content_size
+        except zstandard.ZstdError as e:
+            raise CodecError(f"not a zstd frame at byte {len(data) - len(view)} of the data ({e})", path=path,
+                             offset=offset) from None
+        if size != zstandard.CONTENTSIZE_UNKNOWN and len(out) + size > bound:
+            raise CodecError(f"zstd frames claim more than {bound} bytes decompressed", path=path, offset=offset)
         dobj = dctx.decompressobj()
         out += dobj.decompress(view)
         if not dobj.eof:
-            raise CodecError("truncated zstd frame")
-        used = len(view) - len(dobj.unused_data)
-        view = view[used:]
+            raise CodecError("truncated zstd frame", path=path, offset=offset)
+        if len(out) > bound:
+            raise CodecError(f"zstd data decompresses to more than {bound} bytes", path=path, offset=offset)
+        view = view[len(view) - len(dobj.unused_data):]
     return bytes(out)
 
 
@@ -135,11 +179,34 @@ def _brotli():
     return brotli
 
 
-def _gzip_decompress(data: Buffer) -> bytes:
+def _gzip_decompress(data: Buffer, limit: int | None) -> bytes:
+    if limit is None:
+        try:
+            return gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:
+            raise CodecError(f"corrupt gzip data ({e})") from e
+    d = zlib.decompressobj(wbits=31)  # one gzip member, as MDS writes; stops one byte past the limit
     try:
-        return gzip.decompress(data)
-    except (OSError, EOFError, zlib.error) as e:
+        out = d.decompress(data, limit + 1)
+    except zlib.error as e:
         raise CodecError(f"corrupt gzip data ({e})") from e
+    if len(out) <= limit and not d.eof:
+        raise CodecError("truncated gzip data")
+    return out
+
+
+def _bounded(make: Callable[[], Any]) -> Callable[[Buffer, int | None], bytes]:
+    """bz2/xz decompression that stops one byte past ``limit`` (one stream, as MDS writes)."""
+    def decompress(data: Buffer, limit: int | None) -> bytes:
+        d = make()
+        out = d.decompress(bytes(data), -1 if limit is None else limit + 1)
+        if limit is None or len(out) <= limit:
+            if not d.eof:
+                raise CodecError("truncated data")
+            if limit is None and d.unused_data:  # more streams follow: the standard library reads them all
+                return out + decompress(d.unused_data, None)
+        return out
+    return decompress
 
 
 CODECS: dict[str, Codec] = {}
@@ -152,18 +219,18 @@ def _register(codec: Codec, *aliases: str) -> None:
         _ALIASES[alias] = codec.name
 
 
-_register(Codec("zst", "zstandard", _zstd_compress, _zstd_decompress, 3), "zstd")
+_register(Codec("zst", "zstandard", _zstd_compress, lambda d, limit: unzstd(d, limit=limit), 3), "zstd")
 _register(Codec("gz", "", lambda d, lvl: gzip.compress(bytes(d), compresslevel=lvl, mtime=0),
                 _gzip_decompress, 9), "gzip")
-_register(Codec("bz2", "", lambda d, lvl: bz2.compress(bytes(d), lvl), bz2.decompress, 9))
-_register(Codec("xz", "", lambda d, lvl: lzma.compress(bytes(d), preset=lvl),
-                lambda d: lzma.decompress(bytes(d)), None), "lzma")
+_register(Codec("bz2", "", lambda d, lvl: bz2.compress(bytes(d), lvl), _bounded(bz2.BZ2Decompressor), 9))
+_register(Codec("xz", "", lambda d, lvl: lzma.compress(bytes(d), preset=lvl), _bounded(lzma.LZMADecompressor),
+                None), "lzma")
 _register(Codec("lz4", "lz4", lambda d, lvl: _lz4().compress(bytes(d), compression_level=lvl or 0),
-                lambda d: _lz4().decompress(bytes(d)), None))
+                lambda d, limit: _lz4().decompress(bytes(d)), None))
 _register(Codec("snappy", "python-snappy", lambda d, lvl: _snappy().compress(bytes(d)),
-                lambda d: _snappy().decompress(bytes(d)), None))
+                lambda d, limit: _snappy().decompress(bytes(d)), None))
 _register(Codec("br", "brotli", lambda d, lvl: _brotli().compress(bytes(d), quality=11 if lvl is None else lvl),
-                lambda d: _brotli().decompress(bytes(d)), None), "brotli")
+                lambda d, limit: _brotli().decompress(bytes(d)), None), "brotli")
 
 
 def is_codec(ext: str) -> bool:

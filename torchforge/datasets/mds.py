@@ -125,7 +125,7 @@ class MDSDataset(ShardDataset):
         with open(src, "rb") as f:
             data = f.read()
         assert m.compression is not None
-        raw = m.compression.codec.decompress(data, path=src, offset=0)
+        raw = m.compression.codec.decompress(data, path=src, offset=0, limit=m.raw_bytes)
         if len(raw) != m.raw_bytes:
             raise CodecError(f"decompresses to {len(raw)} bytes, index.json says {m.raw_bytes}", path=src, offset=0)
         for algo, want in (m.raw.get("raw_data") or {}).get("hashes", {}).items():

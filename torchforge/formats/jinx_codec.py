@@ -13,13 +13,11 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import threading
 from typing import Any
 
 import numpy as np
-import zstandard
 
-from torchforge.codecs import get_codec, is_codec
+from torchforge.codecs import get_codec, is_codec, unzstd
 from torchforge.errors import CodecError, FormatError
 
 __all__ = [
@@ -34,7 +32,6 @@ __all__ = [
     "load_pt",
     "save_npy",
     "save_pt",
-    "unzstd",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -123,7 +120,7 @@ def compress_value(data: Buffer, ext: str, level: int | None) -> bytes:
 def decompress_value(data: Buffer, ext: str, *, path: str | None, offset: int | None) -> bytes:
     """Decompress one extension's worth; errors are CodecError naming ``path`` and ``offset``."""
     if ext == "zst":
-        return unzstd(data, path, offset)
+        return unzstd(data, path=path, offset=offset)
     if not is_codec(ext):
         raise FormatError(f"unknown extension {ext!r}: not a serialization ({sorted(SERIALIZATIONS)}) "
                           "or a compression", path=path, offset=offset)
@@ -141,28 +138,6 @@ def decompress_value(data: Buffer, ext: str, *, path: str | None, offset: int | 
     except CodecError as e:
         raise CodecError(e.reason, path=path, offset=offset) from None
     return codec.decompress(data, path=path, offset=offset)
-
-
-_tls = threading.local()
-
-
-def unzstd(data: Buffer, path: str | None, offset: int | None) -> bytes:
-    """zstd on the hot path: one decompressor per thread, streamed frames (no content size) welcome.
-
-    Concatenated frames and every error go through :mod:`torchforge.codecs`.
-    """
-    try:
-        dctx = _tls.zstd
-    except AttributeError:
-        dctx = _tls.zstd = zstandard.ZstdDecompressor()
-    try:
-        dobj = dctx.decompressobj()
-        out = dobj.decompress(data)
-        if dobj.eof and not dobj.unused_data:
-            return out
-    except zstandard.ZstdError:
-        pass  # the registry's decompressor names the problem, with path and offset
-    return get_codec("zst").decompress(data, path=path, offset=offset)
 
 
 # --- serializations --------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from torchforge.codecs import is_codec
+from torchforge.codecs import is_codec, unzstd
 from torchforge.errors import CodecError, CorruptShardError, FormatError, TorchforgeError
 from torchforge.formats.jinx_codec import (
     ENCODINGS,
@@ -33,7 +33,6 @@ from torchforge.formats.jinx_codec import (
     decompress_value,
     load_npy,
     load_pt,
-    unzstd,
 )
 from torchforge.lazy import Decoder, LazySample, lazy_sample
 
@@ -324,7 +323,7 @@ class JinxShard:
             def dec(shard: JinxShard, value: Any, offset: int) -> Any:  # inline compressed text
                 if type(value) is str:
                     try:
-                        return str(unzstd(a2b_base64(value, strict_mode=True), shard.path, offset), "utf-8")
+                        return str(unzstd(a2b_base64(value, strict_mode=True), path=shard.path, offset=offset), "utf-8")
                     except ValueError:  # bad base64 or UTF-8: the general path names the problem
                         pass
                 return shard._decode_with(raw_key, plan, value, offset)
@@ -350,7 +349,7 @@ class JinxShard:
         else:
             data = self._text_bytes(raw_key, value, offset)
         for ext in codecs:
-            data = (unzstd(data, self.path, offset) if ext == "zst" else
+            data = (unzstd(data, path=self.path, offset=offset) if ext == "zst" else
                     decompress_value(data, ext, path=self.path, offset=offset))
         if ser == "str":
             try:

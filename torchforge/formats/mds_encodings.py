@@ -25,7 +25,7 @@ __all__ = ["Encoding", "encoding_names", "get_encoding", "is_safe"]
 
 Buffer = bytes | bytearray | memoryview
 
-try:  # orjson parses 3-5x faster; json stays the reference (NaN, huge ints) and the writer
+try:  # orjson parses faster; json stays the reference (NaN, huge ints) and the writer
     import orjson as _orjson
 except ImportError:  # pragma: no cover
     _orjson = None
@@ -258,7 +258,27 @@ def _pil_dec(data: Buffer) -> Any:
     if 12 + mode_len > len(data):
         raise ValueError("pil mode is truncated")
     mode = _text(data[12:12 + mode_len])
+    pixels = len(data) - 12 - mode_len
+    need = (width * _pil_bits(mode) + 7) // 8 * height  # checked before Pillow allocates width x height
+    if pixels != need:
+        raise ValueError(f"pil image of {width}x{height} in mode {mode!r} needs {need} bytes of pixels, "
+                         f"the value holds {pixels}")
     return _pil().frombytes(mode, (width, height), bytes(data[12 + mode_len:]))
+
+
+_PIL_BITS: dict[str, int] = {}
+
+
+def _pil_bits(mode: str) -> int:
+    """Bits per pixel of ``mode`` in ``Image.tobytes()`` (8 pixels of it, in bytes)."""
+    bits = _PIL_BITS.get(mode)
+    if bits is None:
+        try:
+            bits = len(_pil().new(mode, (8, 1)).tobytes())
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"pil mode {mode!r} is not an image mode Pillow knows ({e})") from None
+        _PIL_BITS[mode] = bits
+    return bits
 
 
 def _saved(fmt: str) -> Callable[[Any], bytes]:
