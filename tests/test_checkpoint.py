@@ -10,7 +10,7 @@ import pytest
 import safetensors
 import torch
 
-from torchforge._ckpt_io import parse_size
+from torchforge.sizes import parse_size
 from torchforge.checkpoint import Checkpointer
 from torchforge.errors import CheckpointError, TorchforgeError
 

@@ -21,7 +21,7 @@ def test_levels_and_passthrough():
     assert codecs.decompress("zstd", codecs.compress("zstd:19", data)) == data
     assert codecs.compress(None, data) == data
     assert codecs.parse_compression("gz:5")[1] == 5
-    with pytest.raises(CodecError, match="not an integer"):
+    with pytest.raises(CodecError, match="must be an integer"):
         codecs.parse_compression("gz:high")
 
 

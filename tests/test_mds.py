@@ -340,7 +340,8 @@ def test_writer_rejects_bad_arguments(tmp_path):
     w.finish()
     with pytest.raises(FileExistsError):
         MDSWriter(str(tmp_path / "b"), {"x": "int"})
-    assert MDSWriter(str(tmp_path / "b"), {"x": "int"}, size_limit="64kb", exist_ok=True).size_limit == 65536
+    assert MDSWriter(str(tmp_path / "b"), {"x": "int"}, size_limit="64KiB", exist_ok=True).size_limit == 65536
+    assert MDSWriter(str(tmp_path / "b"), {"x": "int"}, size_limit="64kb", exist_ok=True).size_limit == 64000
 
 
 def test_shard_size_limit_of_2_32_is_a_clear_error(tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from torchforge.errors import CheckpointError
-from torchforge.formats.safetensors import as_bytes, parse_size, plan, write_all
+from torchforge.formats.safetensors import as_bytes, plan, write_all
 
 __all__ = [
     "BLOCK",
@@ -36,7 +36,6 @@ __all__ = [
     "BlockDigest",
     "FilePlan",
     "copy_tensors",
-    "parse_size",
     "plan_group",
     "verify_files",
     "write_files",

@@ -33,7 +33,6 @@ import torch
 from torchforge._ckpt_io import (
     Arena,
     FilePlan,
-    parse_size,
     plan_group,
     verify_files,
     write_files,
@@ -41,6 +40,7 @@ from torchforge._ckpt_io import (
 from torchforge._ckpt_state import TensorTable, decode, encode, model_table, restore_model, restore_optimizer
 from torchforge.errors import CheckpointError, TorchforgeError
 from torchforge.formats.safetensors import fsync_dir, load_safetensors
+from torchforge.sizes import parse_size
 
 __all__ = ["Checkpointer"]
 
@@ -56,7 +56,8 @@ class Checkpointer:
     Args:
         root: the checkpoint folder (created if missing).
         keep_last: how many committed steps to keep (None or 0 keeps all).
-        max_shard_size: the largest safetensors shard, ``"2GB"`` style or bytes.
+        max_shard_size: the largest safetensors shard, ``"2GB"``/``"2GiB"`` style or bytes
+            (:mod:`torchforge.sizes`).
         threads: parallel writer threads (default 8: with direct I/O each keeps one write in flight).
         direct_io: write large files with ``O_DIRECT`` (Linux; falls back to buffered writes where the
             filesystem refuses it). Faster on fast disks and it leaves the page cache to training, but the
@@ -69,7 +70,7 @@ class Checkpointer:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 0):
             raise ValueError(f"keep_last={keep_last!r} must be None or an int >= 0")
         self.keep_last = keep_last or None
-        self.max_shard_size = parse_size(max_shard_size)
+        self.max_shard_size = parse_size(max_shard_size, option="max_shard_size")
         os.makedirs(self.root, exist_ok=True)
         self.direct_io = bool(direct_io)
         self._pool = ThreadPoolExecutor(threads or 8,

@@ -238,23 +238,30 @@ def is_codec(ext: str) -> bool:
     return ext in _ALIASES
 
 
-def parse_compression(spec: str | None) -> tuple[Codec, int | None] | None:
-    """Parse ``"algo"`` or ``"algo:level"``; ``None`` means no compression.
+def parse_compression(spec: str | None, *, option: str = "compression") -> tuple[Codec, int | None] | None:
+    """The one parser of compression specs: ``"algo"`` or ``"algo:level"``; ``None``, ``""`` and
+    ``"none"`` mean no compression. Formats check their own allowed names and levels on the result
+    (MDS: Streaming's five families and their level ranges).
+
+    Raises:
+        CodecError: not a string, an unknown algorithm, a level that is not an integer, or the codec's
+            package is missing; the message names ``option``.
 
     >>> parse_compression("zstd:7")[1]
     7
     """
     if spec is None or spec == "" or spec == "none":
         return None
-    name, _, level = spec.partition(":")
-    codec = get_codec(name)
-    if level:
-        try:
-            lvl = int(level)
-        except ValueError:
-            raise CodecError(f"compression level in {spec!r} is not an integer") from None
-        return codec, lvl
-    return codec, None
+    if not isinstance(spec, str):
+        raise CodecError(f"{option}={spec!r} must be a compression name such as 'zst' or 'zstd:7', or None")
+    name, colon, level = spec.partition(":")
+    try:
+        codec = get_codec(name)
+    except CodecError as e:
+        raise CodecError(f"{option}={spec!r}: {e.reason}") from None
+    if colon and not level.lstrip("-").isdigit():
+        raise CodecError(f"{option}={spec!r}: the level after ':' must be an integer")
+    return codec, int(level) if colon else None
 
 
 def get_codec(name: str) -> Codec:

@@ -194,6 +194,12 @@ class MDSDataset(ShardDataset):
     def root(self) -> str:
         return self.folder
 
+    @property
+    def cache_dir(self) -> str | None:
+        """The folder of the decompressed copies of compressed shards: the ``cache_dir`` argument, or a
+        temporary folder made when the dataset has compressed shards (removed with the dataset), else None."""
+        return self._cache_dir
+
     def keys(self, field_or_fn: str | Callable[[Any], Any], *, cache: bool = True) -> np.ndarray:
         """One key per sample, decoding only what the key needs.
 

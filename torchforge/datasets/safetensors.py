@@ -29,10 +29,10 @@ from torchforge.errors import CorruptShardError, FormatError, NotFoundError
 from torchforge.formats.safetensors import (
     SafetensorsFile,
     TensorInfo,
-    parse_size,
     read_header,
     save_safetensors,
 )
+from torchforge.sizes import parse_size
 
 __all__ = ["SafetensorsDataset", "SafetensorsShardWriter"]
 
@@ -175,7 +175,8 @@ class SafetensorsShardWriter:
 
     Args:
         out: the folder to create (must not hold shards already).
-        max_shard_size: start a new shard when a shard's data would pass this size (``"256MB"`` or bytes).
+        max_shard_size: start a new shard when a shard's data would pass this size (``"256MB"``, ``"1GiB"``
+            or bytes; :mod:`torchforge.sizes`).
         samples_per_shard: or after this many samples.
         ragged: columns to store ragged even when their shapes agree.
     """
@@ -187,7 +188,7 @@ class SafetensorsShardWriter:
         if _shard_files(self.out):
             raise FormatError(f"folder already holds *{SUFFIX} shards; write into an empty folder",
                               path=self.out)
-        self.max_bytes = parse_size(max_shard_size)
+        self.max_bytes = parse_size(max_shard_size, option="max_shard_size")
         if samples_per_shard is not None and samples_per_shard < 1:
             raise ValueError(f"samples_per_shard={samples_per_shard!r} must be >= 1")
         self.samples_per_shard = samples_per_shard

@@ -27,8 +27,8 @@ from typing import Any, BinaryIO, Self
 import numpy as np
 import orjson
 
-from torchforge.codecs import get_codec
-from torchforge.errors import CodecError, FormatError
+from torchforge.codecs import parse_compression
+from torchforge.errors import FormatError
 from torchforge.formats.jinx_codec import (
     ENCODINGS,
     SCALAR_DTYPES,
@@ -39,6 +39,7 @@ from torchforge.formats.jinx_codec import (
 )
 from torchforge.formats.jinx_reader import JinxShard, sidecar_path
 from torchforge.lazy import LazySample
+from torchforge.sizes import parse_size
 
 __all__ = ["SHARD_TEMPLATE", "JinxShard", "JinxWriter"]
 
@@ -49,18 +50,8 @@ _PLAIN_SCALARS = (bool, int, float, type(None))
 
 def _parse_codec(option: str, spec: str | None) -> tuple[str | None, int | None]:
     """``"zstd:3"`` -> ``("zst", 3)``: the canonical extension (MLDataForge's names) and a level."""
-    if spec is None or spec == "none":
-        return None, None
-    if not isinstance(spec, str):
-        raise FormatError(f"{option}={spec!r} must be a compression name such as 'zst' or None")
-    name, _, level = spec.partition(":")
-    try:
-        codec = get_codec(name)
-    except CodecError as e:
-        raise CodecError(f"{option}: {e.reason}") from None
-    if level and not level.lstrip("-").isdigit():
-        raise CodecError(f"{option}={spec!r}: the level after ':' must be an integer")
-    return codec.name, int(level) if level else None
+    parsed = parse_compression(spec, option=option)
+    return (None, None) if parsed is None else (parsed[0].name, parsed[1])
 
 
 class _ShardWriter:
@@ -220,7 +211,8 @@ class JinxWriter:
     Args:
         path: the output folder (created), or with ``shard_size=None`` the single shard file.
         shard_size: start a new shard before a sample once the shard holds more than this many bytes of
-            lines plus index (MLDataForge's rule). None writes one file at ``path``.
+            lines plus index (MLDataForge's rule): an int or a size string (``"64MiB"``; see
+            :mod:`torchforge.sizes`). None writes one file at ``path``.
         compression: value compression (``zst``, ``gz``, ``bz2``, ``xz``, ``lz4``, ``snappy``, ``br``,
             aliases and ``"name:level"`` accepted), or None.
         index_compression: compression of the inline index, or None.
@@ -243,7 +235,7 @@ class JinxWriter:
     ...         w.write(s)
     """
 
-    def __init__(self, path: str | os.PathLike, *, shard_size: int | None = 2**26, compression: str | None = "zst",
+    def __init__(self, path: str | os.PathLike, *, shard_size: int | str | None = 2**26, compression: str | None = "zst",
                  index_compression: str | None = "zst", compress_threshold: int = 128, compress_ratio: float = 0.67,
                  encoding: str = "a85", binary_threshold: int | None = None, split: str | None = None,
                  ext_sep: str = ".", overwrite: bool = False) -> None:
@@ -252,10 +244,17 @@ class JinxWriter:
         self.index_compression, self.index_level = _parse_codec("index_compression", index_compression)
         if encoding not in ENCODINGS:
             raise FormatError(f"encoding={encoding!r} is not one of {list(ENCODINGS)}")
+        sizes = {}
         for name, val, allow_none in (("shard_size", shard_size, True), ("compress_threshold", compress_threshold, False),
                                       ("binary_threshold", binary_threshold, True)):
-            if (val is None and not allow_none) or (val is not None and (type(val) is not int or val < 0)):
-                raise FormatError(f"{name}={val!r} must be a non-negative integer" + (" or None" if allow_none else ""))
+            if val is None and not allow_none:
+                raise FormatError(f"{name}=None: give a size in bytes")
+            try:
+                sizes[name] = None if val is None else parse_size(val, option=name, allow_zero=True)
+            except (TypeError, ValueError) as e:
+                raise FormatError(str(e)) from None
+        shard_size, compress_threshold, binary_threshold = (
+            sizes["shard_size"], sizes["compress_threshold"], sizes["binary_threshold"])
         if isinstance(compress_ratio, bool) or not isinstance(compress_ratio, (int, float)) or compress_ratio <= 0:
             raise FormatError(f"compress_ratio={compress_ratio!r} must be a positive number")
         if not isinstance(ext_sep, str) or not ext_sep:

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
-from torchforge.codecs import Codec, get_codec
+from torchforge.codecs import Codec, parse_compression
 from torchforge.errors import CodecError, FormatError
 from torchforge.formats.mds_encodings import Encoding, get_encoding
+from torchforge.sizes import parse_size
 
 __all__ = ["MAX_SHARD_BYTES", "Compression", "MDSWriter", "get_hash", "hash_names", "parse_mds_compression"]
 
@@ -93,18 +94,20 @@ def parse_mds_compression(spec: str | None) -> Compression | None:
         raise CodecError(f"compression must be a string, got {type(spec).__name__}")
     per_sample = spec.startswith(SAMPLE_PREFIX)
     algo = spec[len(SAMPLE_PREFIX):] if per_sample else spec
-    family, colon, level_text = algo.partition(":")
-    if family not in _FAMILIES:
+    family = algo.partition(":")[0]
+    if family not in _FAMILIES:  # Streaming's spellings only: they are written into index.json
         raise CodecError(f"compression={spec!r}: {family!r} is not one of {sorted(_FAMILIES)} (optionally "
                          "':level', or 'sample::' in front for per-sample compression)")
-    codec_name, default, levels = _FAMILIES[family]
-    level = default
-    if colon:
-        if levels is None or not level_text.isdigit() or int(level_text) not in levels:
-            allowed = "no levels" if levels is None else f"levels {levels.start}..{levels.stop - 1}"
-            raise CodecError(f"compression={spec!r}: {family} takes {allowed}")
-        level = int(level_text)
-    return Compression(spec, family, get_codec(codec_name), level, per_sample)
+    parsed = parse_compression(algo, option="compression")
+    assert parsed is not None  # family is one of _FAMILIES
+    codec, level = parsed
+    _, default, levels = _FAMILIES[family]
+    if level is None:
+        level = default
+    elif levels is None or level not in levels:
+        allowed = "no levels" if levels is None else f"levels {levels.start}..{levels.stop - 1}"
+        raise CodecError(f"compression={spec!r}: {family} takes {allowed}")
+    return Compression(spec, family, codec, level, per_sample)
 
 
 # --- hashes: hashlib's constructors (no shake_*) and xxhash's when installed, as Streaming ---------
@@ -139,26 +142,10 @@ def get_hash(algo: str, data: bytes) -> str:
 
 
 def _parse_size(size_limit: int | str | None) -> int | None:
-    """Streaming's ``bytes_to_int``: ints, or strings such as ``"64mb"``, ``"100kb"``, ``"512b"``."""
-    if not size_limit:
+    """``size_limit`` in bytes (:func:`torchforge.sizes.parse_size`); None or 0 means no limit."""
+    if size_limit is None:
         return None
-    if isinstance(size_limit, (int, float)):
-        value = int(size_limit)
-    else:
-        text = str(size_limit).lower().strip()
-        units = {"kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40, "pb": 1 << 50}
-        try:
-            for suffix, mult in units.items():
-                if text.endswith(suffix):
-                    value = int(float(text[:-2]) * mult)
-                    break
-            else:
-                value = int(text.removesuffix("b"))
-        except ValueError:
-            raise FormatError(f"size_limit={size_limit!r} is not a number of bytes ('67108864', '64mb', "
-                              f"suffixes b, {', '.join(units)})") from None
-    if value < 0:
-        raise FormatError(f"size_limit={size_limit!r} must not be negative")
+    value = parse_size(size_limit, option="size_limit", allow_zero=True)
     if value >= 2**32:
         raise FormatError(f"size_limit={size_limit!r} must be below 2**32 bytes: MDS stores sample offsets "
                           "as uint32")
@@ -175,8 +162,9 @@ class MDSWriter:
             ``"snappy"``; or per-sample ``"sample::zstd"`` (MLDataForge's layout, which Streaming
             reads only after :func:`torchforge.streaming.patch`).
         hashes: sorted list of hash algorithms recorded for every shard file (see :func:`hash_names`).
-        size_limit: start a new shard before one would exceed this many bytes (int or ``"64mb"``);
-            must be below 2**32. ``None`` puts everything in one shard (still capped at 2**32 - 1).
+        size_limit: start a new shard before one would exceed this many bytes: an int or a size string
+            (:mod:`torchforge.sizes`: ``"64MiB"`` is 2**26, ``"64MB"`` 64*10**6; Streaming reads
+            ``"64mb"`` as 2**26, torchforge as 64*10**6); must be below 2**32. ``None`` puts everything in one shard (still capped at 2**32 - 1).
         exist_ok: allow a non-empty ``out`` (files of the same names are overwritten).
 
     Raises:

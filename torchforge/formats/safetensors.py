@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import re
 import struct
 import sys
 import tempfile
@@ -34,7 +33,7 @@ import torch
 
 from torchforge.errors import SafetensorsError
 
-__all__ = ["DTYPES", "SafetensorsFile", "TensorInfo", "load_safetensors", "parse_size", "read_header",
+__all__ = ["DTYPES", "SafetensorsFile", "TensorInfo", "load_safetensors", "read_header",
            "save_safetensors"]
 
 MAX_HEADER_SIZE = 100_000_000
@@ -557,21 +556,3 @@ def fsync_dir(folder: str) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
-
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in ``"2GB"`` (10**9), ``"512MiB"`` (2**20) or an int, as Hugging Face's max_shard_size."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        n = size
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size), re.IGNORECASE)
-        if not m:
-            raise ValueError(f"max_shard_size={size!r} is not a size such as 2GB, 500MB, 1GiB or an int")
-        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
-    if n <= 0:
-        raise ValueError(f"max_shard_size={size!r} must be positive")
-    return n
