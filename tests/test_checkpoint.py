@@ -10,9 +10,9 @@ import pytest
 import safetensors
 import torch
 
-from torchforge.sizes import parse_size
 from torchforge.checkpoint import Checkpointer
 from torchforge.errors import CheckpointError, TorchforgeError
+from torchforge.sizes import parse_size
 
 
 class TiedLM(torch.nn.Module):
@@ -209,6 +209,37 @@ def test_damaged_header_and_state_are_checkpoint_errors(tmp_path):
     Path(index).write_text(text)
     with pytest.raises(CheckpointError, match="not in the manifest"):  # an index naming a file not there
         ck.restore(3, model=_fresh()[0])
+    ck.save(6, model=m)
+    state = os.path.join(ck.path(6), "state.json")
+    Path(state).write_text(Path(state).read_text().replace('"aliases"', '"aliasex"'))  # same size, valid JSON
+    with pytest.raises(CheckpointError, match="state.json is damaged") as ei:
+        ck.restore(6, model=_fresh()[0])
+    assert ei.value.path == state
+
+
+@pytest.mark.parametrize("old,new,problem", [
+    ('{\n "format"', '[\n "format"', "unreadable state.json"),  # not JSON any more
+    ('"aliases"', '"aliasex"', "no 'aliases'"),  # JSON, but not the state restore needs (was KeyError)
+    ('"param_groups"', '"param_groupx"', "'param_groups'"),
+    ('"step": 5,', '"step": 6,', "'step': 6"),  # the state of another step
+    ('"__float__": "inf"', '"__float__": "inx"', "cannot decode"),  # a broken tagged value (was ValueError)
+])
+def test_damaged_state_json_is_a_checkpoint_error_naming_it(tmp_path, old, new, problem):
+    m, opt = _fresh()
+    _train(m, opt, range(1))
+    ck = Checkpointer(tmp_path)
+    ck.save(5, model=m, optimizer=opt, extra={"limit": float("inf")})
+    state = os.path.join(ck.path(5), "state.json")
+    text = Path(state).read_text()
+    assert text.count(old) == 1 and len(new) == len(old)
+    Path(state).write_text(text.replace(old, new))  # same size: the size check alone does not see it
+    m2, opt2 = _fresh(1)
+    with pytest.raises(CheckpointError, match=problem) as ei:
+        ck.restore(5, model=m2, optimizer=opt2)
+    assert ei.value.path == state and "state.json" in str(ei.value)
+    with pytest.raises(CheckpointError, match="checksum mismatch") as ei:  # and verify finds it by checksum
+        ck.verify(5)
+    assert ei.value.path == state
 
 
 def test_missing_step_and_mismatched_objects(tmp_path):

@@ -6,14 +6,13 @@ import sys
 
 import orjson
 import pytest
+from expected import same
 
 from torchforge.cli import main
 from torchforge.datasets.base import open_dataset
 
 HERE = os.path.dirname(__file__)
 INTEROP = os.path.join(HERE, "fixtures", "interop")
-sys.path.insert(0, INTEROP)
-from expected import same
 
 
 @pytest.fixture

@@ -6,13 +6,13 @@ import logging
 import os
 import random
 import shutil
-import sys
 import zlib
 
 import numpy as np
 import orjson
 import pytest
 import zstandard
+from expected import rich, same
 
 from torchforge.datasets.jinx import JinxDataset
 from torchforge.errors import CodecError, CorruptShardError, FormatError, TorchforgeError
@@ -21,8 +21,6 @@ from torchforge.formats.jinx import JinxWriter
 from torchforge.lazy import materialize
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "fixtures", "interop"))
-from expected import rich, same
 
 
 def craft(path, lines, *, index=None, **footer):

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
+from canon import canon
+from expected import rich, same
 
 from torchforge.datasets.jinx import JinxDataset
 from torchforge.formats.jinx import JinxWriter
@@ -21,10 +22,6 @@ from torchforge.formats.jinx import JinxWriter
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 INTEROP = os.path.join(HERE, "interop")
-sys.path.insert(0, os.path.join(HERE, "fixtures", "interop"))
-sys.path.insert(0, INTEROP)
-from canon import canon
-from expected import rich, same
 
 VENV = os.environ.get("TORCHFORGE_MLDF_VENV", os.path.join(ROOT, ".venv-mldf"))
 PY = os.path.join(VENV, "bin", "python")

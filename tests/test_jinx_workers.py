@@ -2,18 +2,13 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import sys
 
 import pytest
 import torch.utils.data
+from expected import rich, same
 
 from torchforge.datasets.jinx import JinxDataset
 from torchforge.formats.jinx import JinxWriter
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "fixtures", "interop"))
-from expected import rich, same
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,17 @@ def write(folder, lengths):
         f.write(b"\xff" * 7)  # a sidecar nobody may read
 
 
+@pytest.fixture(autouse=True)
+def key_cache(tmp_path_factory, monkeypatch):
+    """The per-user cache folder, private to each test."""
+    folder = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv("TORCHFORGE_CACHE_DIR", str(folder))
+    return os.path.join(folder, "keys")
+
+
 def caches(folder):
+    if not os.path.isdir(folder):
+        return []
     return sorted(f for f in os.listdir(folder) if f.startswith(KEY_CACHE_PREFIX))
 
 
@@ -108,14 +118,16 @@ def test_bucketed_sort_by_field(ds):
     assert set(ds.reads) == {"len"}
 
 
-def test_key_cache_is_written_reused_and_invalidated(ds, tmp_path):
+def test_key_cache_is_written_reused_and_invalidated(ds, tmp_path, key_cache):
+    before = sorted(os.listdir(tmp_path))
     a = ds.keys("len")
-    assert a.tolist() == LENGTHS and len(caches(tmp_path)) == 1
+    assert a.tolist() == LENGTHS and len(caches(key_cache)) == 1
+    assert sorted(os.listdir(tmp_path)) == before  # nothing written into the data folder
     gets = ds.gets
     b = ds.keys("len")
     assert ds.gets == gets and b.tolist() == LENGTHS  # served from the cache: no sample read
     assert ds.keys("name").tolist() == [f"s{x:03d}" for x in LENGTHS]
-    assert len(caches(tmp_path)) == 2  # one file per field
+    assert len(caches(key_cache)) == 2  # one file per field
     write(tmp_path, [5, 4, 3, 2, 1, 0])  # the shards change: size and mtime differ
     assert ds.keys("len").tolist() == [5, 4, 3, 2, 1, 0]
     assert list(GlobalSampler(ds, sort_key="len")) == [5, 4, 3, 2, 1, 0]
@@ -131,10 +143,10 @@ def test_same_size_rewrite_invalidates_by_mtime(ds, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "pickle", "scalar", "wrong_length", "2d"])
-def test_a_damaged_cache_is_recomputed(ds, tmp_path, damage, caplog):
+def test_a_damaged_cache_is_recomputed(ds, damage, caplog, key_cache):
     ds.keys("len")
-    (name,) = caches(tmp_path)
-    path = os.path.join(tmp_path, name)
+    (name,) = caches(key_cache)
+    path = os.path.join(key_cache, name)
     if damage == "truncate":
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) - 3)
@@ -157,10 +169,51 @@ def test_a_damaged_cache_is_recomputed(ds, tmp_path, damage, caplog):
     assert ds.keys("len").tolist() == LENGTHS and np.load(path).tolist() == LENGTHS  # and rewritten
 
 
-def test_no_cache_and_callables_are_not_cached(ds, tmp_path):
+def test_no_cache_and_callables_are_not_cached(ds, key_cache):
     assert ds.keys("len", cache=False).tolist() == LENGTHS
     assert ds.keys(lambda s: s["len"] * 2).tolist() == [2 * x for x in LENGTHS]
-    assert caches(tmp_path) == []
+    assert caches(key_cache) == []
+
+
+def test_read_only_dataset_folder_gets_a_reused_cache_in_the_user_folder(tmp_path, key_cache):
+    data = tmp_path / "ro"
+    data.mkdir()
+    write(data, LENGTHS)
+    os.chmod(data, 0o555)  # read-only (root writes anyway: the listing check below holds for everyone)
+    try:
+        ds = SidecarDataset(data)
+        before = sorted(os.listdir(data))
+        assert ds.keys("len").tolist() == LENGTHS
+        assert sorted(os.listdir(data)) == before
+        assert len(caches(key_cache)) == 1
+        again = SidecarDataset(data)  # another dataset object (another process) over the same files
+        assert again.keys("len").tolist() == LENGTHS and again.gets == 0  # served from the user cache
+    finally:
+        os.chmod(data, 0o755)
+
+
+def test_same_files_at_another_path_are_another_dataset(tmp_path, key_cache):
+    for name, lengths in (("a", LENGTHS), ("b", LENGTHS[::-1])):
+        (tmp_path / name).mkdir()
+        write(tmp_path / name, lengths)
+    b = tmp_path / "b"
+    st = os.stat(tmp_path / "a" / "shard-00000.len")
+    for f in ("shard-00000.len", "shard-00000.text"):  # same names, sizes and mtimes: only the path differs
+        os.utime(b / f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert SidecarDataset(tmp_path / "a").keys("len").tolist() == LENGTHS
+    assert SidecarDataset(b).keys("len").tolist() == LENGTHS[::-1]
+    assert len(caches(key_cache)) == 2
+
+
+def test_cache_folder_location(monkeypatch, tmp_path):
+    from torchforge.cache import user_cache_dir
+
+    monkeypatch.delenv("TORCHFORGE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert user_cache_dir("keys") == str(tmp_path / "xdg" / "torchforge" / "keys")
+    assert os.stat(tmp_path / "xdg" / "torchforge").st_mode & 0o777 == 0o700
+    monkeypatch.setenv("TORCHFORGE_CACHE_DIR", str(tmp_path / "mine"))
+    assert user_cache_dir() == str(tmp_path / "mine")
 
 
 def test_missing_field_and_bad_argument(ds):

@@ -92,23 +92,18 @@ def _children() -> set[int]:
     return kids
 
 
-def _our_shm() -> set[str]:
-    # other programs on the machine use /dev/shm concurrently; ours are named torchforge-*
-    return {n for n in os.listdir("/dev/shm") if n.startswith("torchforge")}
-
-
 @pytest.fixture
-def no_leaks():
+def no_leaks(our_shm):
     """Fails the test if it leaves a /dev/shm entry, a child process or an open descriptor behind."""
     resource_tracker.ensure_running()  # multiprocessing's shared helper (spawn starts it once): not ours
     gc.collect()
-    shm, kids, fds = _our_shm(), _children(), set(os.listdir("/proc/self/fd"))
+    shm, kids, fds = our_shm(), _children(), set(os.listdir("/proc/self/fd"))
     yield
     gc.collect()
     deadline = time.monotonic() + 5
     while _children() - kids and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _our_shm() == shm
+    assert our_shm() == shm
     assert _children() - kids == set()
     assert set(os.listdir("/proc/self/fd")) - fds == set()
 

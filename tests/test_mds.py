@@ -17,6 +17,7 @@ from decimal import Decimal
 
 import numpy as np
 import pytest
+from expected import MDS_COLUMNS, mds_rows, same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,10 +27,9 @@ from torchforge.datasets.mds import MDSDataset, detect
 from torchforge.errors import CodecError, CorruptShardError, FormatError, TorchforgeError
 from torchforge.formats import mds as mds_mod
 from torchforge.formats.mds import MDSWriter, hash_names
+from torchforge.formats.values import ByteView
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "interop")
-sys.path.insert(0, FIXTURES)
-from expected import MDS_COLUMNS, mds_rows, same
 
 
 def _read(path):
@@ -48,13 +48,6 @@ def _json(path):
 
 MANIFEST = _json(os.path.join(FIXTURES, "manifest.json"))
 MDS_FIXTURES = ["mds-streaming-none", "mds-sample-zstd"]
-
-
-def _write(folder, rows, columns=MDS_COLUMNS, **kw):
-    with MDSWriter(folder, columns, **kw) as w:
-        for r in rows:
-            w.write(r)
-    return folder
 
 
 def _files(folder):
@@ -78,8 +71,9 @@ def test_fixture_reads_equal_to_generator(name):
     ds = MDSDataset(os.path.join(FIXTURES, name))
     _assert_rows(ds, list(mds_rows(m["n"], m["seed"])))
     assert ds[-1]["id"] == m["n"] - 1
-    # Registered for open_dataset (called here without loading the other formats' modules).
-    assert base._FORMATS["mds"] == (MDSDataset, detect)
+    # registered for open_dataset, which finds it through detect
+    assert base.formats()["mds"] is MDSDataset
+    assert type(base.open_dataset(os.path.join(FIXTURES, name))) is MDSDataset
     assert detect(os.path.join(FIXTURES, name)) and not detect(os.path.join(FIXTURES, "jinx-b64-multishard"))
 
 
@@ -92,7 +86,7 @@ def test_bytes_columns_zero_copy_or_copied(name):
     held = []
     for i in (0, 7, len(rows) - 1):
         v, c = views[i]["image"], copies[i]["image"]
-        assert type(v) is memoryview and v.readonly and type(c) is bytes
+        assert type(v) is ByteView and not v.flags.writeable and v.base is not None and type(c) is bytes
         assert bytes(v) == c == rows[i]["image"]
         held.append(v)
     views.close()  # views still held: the map stays alive until they go, nothing breaks
@@ -100,13 +94,13 @@ def test_bytes_columns_zero_copy_or_copied(name):
 
 
 @pytest.mark.parametrize("name", MDS_FIXTURES)
-def test_writer_reproduces_fixture_bytes(tmp_path, name):
+def test_writer_reproduces_fixture_bytes(write_mds, tmp_path, name):
     """Our writer, fed the generator's rows, writes the very bytes Streaming / MLDataForge wrote."""
     m = MANIFEST[name]
     src = os.path.join(FIXTURES, name)
     entry = _json(os.path.join(src, "index.json"))["shards"][0]
-    out = _write(str(tmp_path / "out"), mds_rows(m["n"], m["seed"]), m["columns"], compression=m["compression"],
-                 size_limit=entry["size_limit"])
+    out = write_mds(str(tmp_path / "out"), mds_rows(m["n"], m["seed"]), m["columns"],
+                    compression=m["compression"], size_limit=entry["size_limit"])
     assert _files(out) == {f: b for f, b in _files(src).items() if not f.startswith(".")}
 
 
@@ -145,7 +139,7 @@ ALL_COLUMNS = {"b": "bytes", "s": "str", "i": "int", "i8": "int8", "u16": "uint1
     (None, []), (None, ["md5", "sha1"]), ("zstd", ["sha1"]), ("zstd:9", []), ("gz", ["md5"]), ("bz2:3", []),
     ("br:5", []), ("snappy", []), ("sample::zstd", ["sha256"]),
 ])
-def test_byte_identical_to_streaming_mdswriter(tmp_path, monkeypatch, compression, hashes):
+def test_byte_identical_to_streaming_mdswriter(write_mds, tmp_path, monkeypatch, compression, hashes):
     streaming = pytest.importorskip("streaming", reason="MosaicML Streaming is not installed")
     if "xxh64" in hash_names() and compression is None and hashes:
         hashes = sorted(hashes + ["xxh64"])
@@ -172,8 +166,8 @@ def test_byte_identical_to_streaming_mdswriter(tmp_path, monkeypatch, compressio
     with writer:
         for r in rows:
             writer.write(r)
-    ours = _write(str(tmp_path / "ours"), rows, ALL_COLUMNS, compression=compression, hashes=hashes,
-                  size_limit=1 << 14)
+    ours = write_mds(str(tmp_path / "ours"), rows, ALL_COLUMNS, compression=compression, hashes=hashes,
+                     size_limit=1 << 14)
     want = _files(ref)
     assert len(want) > 3  # several shards
     assert _files(ours) == want
@@ -190,9 +184,9 @@ def test_byte_identical_to_streaming_mdswriter(tmp_path, monkeypatch, compressio
         assert got["j"] == r["j"] and got["jpeg"].size == r["jpeg"].size and len(got["ja"]) == len(r["ja"])
 
 
-def test_writer_defaults_and_public_name(tmp_path):
+def test_writer_defaults_and_public_name(write_mds, tmp_path):
     assert torchforge.MDSWriter is MDSWriter and torchforge.MDSDataset is MDSDataset
-    out = _write(str(tmp_path / "d"), [{"x": 1}], {"x": "int"})
+    out = write_mds(str(tmp_path / "d"), [{"x": 1}], {"x": "int"})
     idx = _json(os.path.join(out, "index.json"))
     (shard,) = idx["shards"]
     assert shard["size_limit"] == 1 << 26 and shard["compression"] is None and shard["hashes"] == []
@@ -217,12 +211,12 @@ _value = {
     lambda names: st.tuples(st.just(names), st.lists(st.tuples(*[_value[n] for n in names]), max_size=25))),
     compression=st.sampled_from([None, "zstd", "gz:1", "sample::zstd", "sample::br:1", "snappy"]),
     size_limit=st.sampled_from([None, 200, 1 << 12]))
-def test_round_trip_property(tmp_path_factory, cols, compression, size_limit):
+def test_round_trip_property(write_mds, tmp_path_factory, cols, compression, size_limit):
     names, values = cols
     columns = {f"c_{n}": n for n in names}
     rows = [{f"c_{n}": v for n, v in zip(names, vals)} for vals in values]
-    out = _write(str(tmp_path_factory.mktemp("rt") / "d"), rows, columns, compression=compression,
-                 size_limit=size_limit)
+    out = write_mds(str(tmp_path_factory.mktemp("rt") / "d"), rows, columns, compression=compression,
+                    size_limit=size_limit)
     ds = MDSDataset(out)
     expect = [{k: (np.float64(v) if columns[k] == "float64" else v) for k, v in r.items()} for r in rows]
     _assert_rows(ds, expect)
@@ -233,9 +227,9 @@ def test_round_trip_property(tmp_path_factory, cols, compression, size_limit):
         assert same(r, dict(lazy[i])) == ""
 
 
-def test_keys_vectorised_behind_variable_columns(tmp_path):
+def test_keys_vectorised_behind_variable_columns(write_mds, tmp_path):
     rows = list(mds_rows(60, 3))
-    out = _write(str(tmp_path / "d"), rows, size_limit=1 << 14)
+    out = write_mds(str(tmp_path / "d"), rows, size_limit=1 << 14)
     ds = MDSDataset(out)
     assert len(ds.metas) > 2
     # "label" comes after variable-size "image" in column order: positions depend on each sample.
@@ -246,9 +240,9 @@ def test_keys_vectorised_behind_variable_columns(tmp_path):
     assert ds.keys("text", cache=False).tolist() == [r["text"] for r in rows]
 
 
-def test_columns_subset_and_lazy(tmp_path):
+def test_columns_subset_and_lazy(write_mds, tmp_path):
     rows = list(mds_rows(10, 4))
-    out = _write(str(tmp_path / "d"), rows)
+    out = write_mds(str(tmp_path / "d"), rows)
     ds = MDSDataset(out, columns=["id", "text"])
     assert ds[3] == {"id": 3, "text": rows[3]["text"]}
     assert [s["id"] for s in ds] == list(range(10))
@@ -260,8 +254,8 @@ def test_columns_subset_and_lazy(tmp_path):
         MDSDataset(out, columns=["nope"])[0]
 
 
-def test_indexing_contract(tmp_path):
-    out = _write(str(tmp_path / "d"), mds_rows(5, 1))
+def test_indexing_contract(write_mds, tmp_path):
+    out = write_mds(str(tmp_path / "d"), mds_rows(5, 1))
     ds = MDSDataset(out)
     assert ds[-5]["id"] == 0 and ds[np.int64(2)]["id"] == 2
     for bad in (5, -6):
@@ -271,18 +265,19 @@ def test_indexing_contract(tmp_path):
         ds[1.5]
 
 
-def test_split_and_index_path(tmp_path):
-    _write(str(tmp_path / "d" / "train"), mds_rows(4, 2))
+def test_split_and_index_path(write_mds, tmp_path):
+    write_mds(str(tmp_path / "d" / "train"), mds_rows(4, 2))
     assert len(MDSDataset(str(tmp_path / "d"), split="train")) == 4
     assert len(MDSDataset(str(tmp_path / "d" / "train" / "index.json"))) == 4
 
 
-def test_shard_compressed_cache_is_cleaned_and_pickling(tmp_path):
+def test_shard_compressed_cache_is_cleaned_and_pickling(write_mds, tmp_path):
     rows = list(mds_rows(30, 5))
-    out = _write(str(tmp_path / "d"), rows, compression="zstd", size_limit=1 << 14)
+    out = write_mds(str(tmp_path / "d"), rows, compression="zstd", size_limit=1 << 14)
     assert not any(f.endswith(".mds") for f in os.listdir(out))
     ds = MDSDataset(out)
-    cache = ds._cache_dir
+    cache = ds.cache_dir
+    assert cache is not None  # made at construction: DataLoader workers share it
     _assert_rows(ds, rows)
     assert sorted(os.listdir(cache)) and all(f.endswith(".mds") for f in os.listdir(cache))
     clone = pickle.loads(pickle.dumps(ds))  # what a DataLoader worker gets: shares the cache
@@ -297,8 +292,8 @@ def test_shard_compressed_cache_is_cleaned_and_pickling(tmp_path):
     assert not any(f.endswith(".mds") for f in os.listdir(out))  # the dataset folder is untouched
 
 
-def test_cache_dir_argument_is_kept(tmp_path):
-    out = _write(str(tmp_path / "d"), mds_rows(5, 5), compression="gz")
+def test_cache_dir_argument_is_kept(write_mds, tmp_path):
+    out = write_mds(str(tmp_path / "d"), mds_rows(5, 5), compression="gz")
     cache = tmp_path / "cache"
     cache.mkdir()
     ds = MDSDataset(out, cache_dir=str(cache))
@@ -354,15 +349,15 @@ def test_shard_size_limit_of_2_32_is_a_clear_error(tmp_path, monkeypatch):
     assert e.value.path == str(tmp_path / "d")
 
 
-def test_first_sample_above_size_limit_matches_streaming(tmp_path):
+def test_first_sample_above_size_limit_matches_streaming(write_mds, tmp_path):
     """Streaming flushes an empty shard 0 when the first sample alone passes size_limit; so do we."""
-    out = _write(str(tmp_path / "d"), [{"b": b"x" * 300}, {"b": b"y"}], {"b": "bytes"}, size_limit=200)
+    out = write_mds(str(tmp_path / "d"), [{"b": b"x" * 300}, {"b": b"y"}], {"b": "bytes"}, size_limit=200)
     ds = MDSDataset(out)
     assert [m.samples for m in ds.metas][:2] == [0, 1] and [s["b"] for s in ds] == [b"x" * 300, b"y"]
 
 
-def test_pkl_refused_unless_allowed(tmp_path):
-    out = _write(str(tmp_path / "d"), [{"p": {"a": 1}, "x": 2}], {"p": "pkl", "x": "int"})
+def test_pkl_refused_unless_allowed(write_mds, tmp_path):
+    out = write_mds(str(tmp_path / "d"), [{"p": {"a": 1}, "x": 2}], {"p": "pkl", "x": "int"})
     with pytest.raises(FormatError, match="allow_unsafe_types"):
         MDSDataset(out)
     assert MDSDataset(out, columns=["x"])[0] == {"x": 2}
@@ -371,8 +366,8 @@ def test_pkl_refused_unless_allowed(tmp_path):
 
 # --- bad input -----------------------------------------------------------------------------------------
 @pytest.fixture
-def small(tmp_path):
-    out = _write(str(tmp_path / "d"), mds_rows(12, 9), size_limit=1 << 14)
+def small(write_mds, tmp_path):
+    out = write_mds(str(tmp_path / "d"), mds_rows(12, 9), size_limit=1 << 14)
     return out
 
 
@@ -475,8 +470,8 @@ def test_bad_index_json(tmp_path, small):
     assert isinstance(e.value, TorchforgeError)
 
 
-def test_corrupt_compressed_sample(tmp_path):
-    out = _write(str(tmp_path / "d"), mds_rows(8, 6), compression="sample::zstd")
+def test_corrupt_compressed_sample(write_mds, tmp_path):
+    out = write_mds(str(tmp_path / "d"), mds_rows(8, 6), compression="sample::zstd")
     path = _shard0(out)
     data = bytearray(_read(path))
     (n,) = struct.unpack_from("<I", data)
@@ -491,8 +486,8 @@ def test_corrupt_compressed_sample(tmp_path):
     assert isinstance(e.value, (CodecError, CorruptShardError))
 
 
-def test_corrupt_shard_level_zstd(tmp_path):
-    out = _write(str(tmp_path / "d"), mds_rows(8, 6), compression="zstd", hashes=["sha1"])
+def test_corrupt_shard_level_zstd(write_mds, tmp_path):
+    out = write_mds(str(tmp_path / "d"), mds_rows(8, 6), compression="zstd", hashes=["sha1"])
     path = _shard0(out) + ".zstd"
     orig = _read(path)
     data = bytearray(orig)
@@ -513,8 +508,8 @@ def test_corrupt_shard_level_zstd(tmp_path):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 255)), min_size=1, max_size=4),
        compression=st.sampled_from([None, "sample::zstd"]))
-def test_bit_flips_never_escape_as_untyped_errors(tmp_path_factory, flips, compression):
-    out = _write(str(tmp_path_factory.mktemp("flip") / "d"), mds_rows(6, 8), compression=compression)
+def test_bit_flips_never_escape_as_untyped_errors(write_mds, tmp_path_factory, flips, compression):
+    out = write_mds(str(tmp_path_factory.mktemp("flip") / "d"), mds_rows(6, 8), compression=compression)
     path = _shard0(out)
     data = bytearray(_read(path))
     for where, mask in flips:
@@ -526,34 +521,34 @@ def test_bit_flips_never_escape_as_untyped_errors(tmp_path_factory, flips, compr
         assert e.path == path and e.offset is not None and 0 <= e.offset <= len(data)
 
 
-def test_json_column_keeps_nan_and_big_ints(tmp_path):
+def test_json_column_keeps_nan_and_big_ints(write_mds, tmp_path):
     rows = [{"j": [float("nan"), 2**70, "x"]}]
-    ds = MDSDataset(_write(str(tmp_path / "d"), rows, {"j": "json"}))
+    ds = MDSDataset(write_mds(str(tmp_path / "d"), rows, {"j": "json"}))
     got = ds[0]["j"]
     assert np.isnan(got[0]) and got[1:] == [2**70, "x"]
 
 
-def test_image_column_decodes_to_pil(tmp_path):
+def test_image_column_decodes_to_pil(write_mds, tmp_path):
     Image = pytest.importorskip("PIL.Image", reason="Pillow is not installed")
 
     img = Image.new("L", (3, 2), 7)
-    ds = MDSDataset(_write(str(tmp_path / "d"), [{"p": img, "q": io.BytesIO(b"raw").getvalue()}],
-                           {"p": "png", "q": "bytes"}))
+    ds = MDSDataset(write_mds(str(tmp_path / "d"), [{"p": img, "q": io.BytesIO(b"raw").getvalue()}],
+                              {"p": "png", "q": "bytes"}))
     assert np.array_equal(np.asarray(ds[0]["p"]), np.asarray(img)) and ds[0]["q"] == b"raw"
     shutil.rmtree(str(tmp_path / "d"))
 
 
-def test_dataloader_spawn_workers_share_the_decompressed_cache(tmp_path):
+def test_dataloader_spawn_workers_share_the_decompressed_cache(write_mds, tmp_path):
     """Workers get a pickled dataset (no maps): they reopen shards and reuse the owner's cache folder."""
     import torch.utils.data
 
     rows = list(mds_rows(24, 10))
-    out = _write(str(tmp_path / "d"), rows, compression="zstd", size_limit=1 << 14)
+    out = write_mds(str(tmp_path / "d"), rows, compression="zstd", size_limit=1 << 14)
     ds = MDSDataset(out, columns=["id", "label"])
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
     got = sorted(int(s["id"]) for s in loader)
     assert got == list(range(24))
-    assert sorted(os.listdir(ds._cache_dir)) == sorted(f"{k:05}-{m.raw_basename}" for k, m in enumerate(ds.metas))
+    assert sorted(os.listdir(ds.cache_dir)) == sorted(f"{k:05}-{m.raw_basename}" for k, m in enumerate(ds.metas))
 
 
 def test_importing_torchforge_never_imports_streaming():

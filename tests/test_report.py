@@ -7,14 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 
 import numpy as np
 import pytest
-
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-sys.path.insert(0, BENCH)
-
 import report
 import table1
 

@@ -10,13 +10,12 @@ import uuid
 
 import numpy as np
 import pytest
+from expected import mds_rows, same
 
 import torchforge.streaming as tfs
-from torchforge.formats.mds import MDSWriter
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "interop")
-sys.path.insert(0, FIXTURES)
-from expected import MDS_COLUMNS, mds_rows, same
+SHARD = 1 << 15  # the shard size limit of the datasets these tests write, unless one says otherwise
 
 streaming = pytest.importorskip("streaming", reason="MosaicML Streaming is not installed")
 from streaming import StreamingDataset
@@ -30,13 +29,6 @@ def _clean_streaming():
     yield
     tfs.unpatch()
     clean_stale_shared_memory()
-
-
-def _write(folder, rows, compression=None, columns=MDS_COLUMNS, size_limit=1 << 15):
-    with MDSWriter(folder, columns, compression=compression, size_limit=size_limit) as w:
-        for r in rows:
-            w.write(r)
-    return folder
 
 
 def _dataset(tmp_path, folder, **kw):
@@ -57,16 +49,16 @@ def _check(ds, rows):
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
-def test_streaming_reads_torchforge_mds(tmp_path, compression):
+def test_streaming_reads_torchforge_mds(write_mds, tmp_path, compression):
     rows = list(mds_rows(80, 11))
-    src = _write(str(tmp_path / "src"), rows, compression)
+    src = write_mds(str(tmp_path / "src"), rows, compression=compression, size_limit=SHARD)
     _check(_dataset(tmp_path, src), rows)
 
 
 @pytest.mark.parametrize("compression", [None, "zstd:5", "sample::zstd", "sample::br"])
-def test_patched_streaming_reads_equal(tmp_path, compression):
+def test_patched_streaming_reads_equal(write_mds, tmp_path, compression):
     rows = list(mds_rows(80, 12))
-    src = _write(str(tmp_path / "src"), rows, compression)
+    src = write_mds(str(tmp_path / "src"), rows, compression=compression, size_limit=SHARD)
     tfs.patch()
     assert tfs.is_patched()
     ds = _dataset(tmp_path, src)
@@ -74,9 +66,9 @@ def test_patched_streaming_reads_equal(tmp_path, compression):
     _check(ds, rows)
 
 
-def test_sample_compression_needs_patch_and_unpatch_restores(tmp_path):
+def test_sample_compression_needs_patch_and_unpatch_restores(write_mds, tmp_path):
     rows = list(mds_rows(40, 13))
-    src = _write(str(tmp_path / "src"), rows, "sample::zstd")
+    src = write_mds(str(tmp_path / "src"), rows, compression="sample::zstd", size_limit=SHARD)
     original = streaming.base.format._readers["mds"]
     # Streaming takes the folder for a half-present compressed one: it deletes the shards, then finds
     # no remote to fetch them from.
@@ -97,18 +89,19 @@ def test_patched_fixtures(tmp_path):
         _check(_dataset(tmp_path, os.path.join(FIXTURES, name)), list(mds_rows(200, seed)))
 
 
-def test_patched_reader_pickles_by_name(tmp_path):
+def test_patched_reader_pickles_by_name(write_mds, tmp_path):
     tfs.patch()
-    ds = _dataset(tmp_path, _write(str(tmp_path / "src"), mds_rows(10, 14)))
+    ds = _dataset(tmp_path, write_mds(str(tmp_path / "src"), mds_rows(10, 14), size_limit=SHARD))
     assert ds[3]["id"] == 3  # opens the shard's map
     reader = pickle.loads(pickle.dumps(ds.shards[0]))
     assert type(reader) is tfs.MDSStreamingReader and reader.get_item(3)["id"] == 3
 
 
-def test_patched_unsafe_types_gate_and_eviction(tmp_path):
+def test_patched_unsafe_types_gate_and_eviction(write_mds, tmp_path):
     tfs.patch()
     rows = [{"p": {"k": i}, "x": np.arange(i + 1, dtype=np.int32)} for i in range(30)]
-    src = _write(str(tmp_path / "src"), rows, "zstd", {"p": "pkl", "x": "ndarray:int32"}, size_limit=300)
+    src = write_mds(str(tmp_path / "src"), rows, {"p": "pkl", "x": "ndarray:int32"}, compression="zstd",
+                    size_limit=300)
     with pytest.raises(ValueError, match="allow_unsafe_types"):
         _dataset(tmp_path, src)
     # A remote with a small cache: shards are fetched, decompressed, evicted and fetched again.
@@ -128,11 +121,11 @@ def test_patched_unsafe_types_gate_and_eviction(tmp_path):
     assert sum(os.path.getsize(os.path.join(local, f)) for f in os.listdir(local)) <= limit
 
 
-def test_patched_reader_notices_a_deleted_shard(tmp_path):
+def test_patched_reader_notices_a_deleted_shard(write_mds, tmp_path):
     """A shard deleted after it was mapped is fetched again from the remote, as with Streaming's reader."""
     tfs.patch()
     rows = list(mds_rows(40, 15))
-    src = _write(str(tmp_path / "src"), rows, size_limit=1 << 14)
+    src = write_mds(str(tmp_path / "src"), rows, size_limit=1 << 14)
     local = str(tmp_path / f"local-{uuid.uuid4().hex}")
     ds = StreamingDataset(remote=src, local=local, shuffle=False, batch_size=1)
     shard0 = os.path.join(local, "shard.00000.mds")
@@ -142,13 +135,13 @@ def test_patched_reader_notices_a_deleted_shard(tmp_path):
     assert os.path.exists(shard0)
 
 
-def test_patched_reader_keeps_a_bounded_number_of_shards_mapped(tmp_path, monkeypatch):
+def test_patched_reader_keeps_a_bounded_number_of_shards_mapped(write_mds, tmp_path, monkeypatch):
     """Beyond MAX_OPEN_SHARDS maps (two descriptors each) the least recently opened unused map is
     closed and reopened on its next access: datasets of thousands of shards stay under the fd limit."""
     tfs.patch()
     monkeypatch.setattr(tfs, "MAX_OPEN_SHARDS", 3)
     rows = list(mds_rows(60, 21))
-    src = _write(str(tmp_path / "src"), rows, size_limit=1 << 13)
+    src = write_mds(str(tmp_path / "src"), rows, size_limit=1 << 13)
     ds = _dataset(tmp_path, src)
     assert len(ds.shards) >= 8
     order = np.random.default_rng(0).permutation(len(rows)).tolist() * 2
@@ -164,7 +157,7 @@ def test_patched_reader_keeps_a_bounded_number_of_shards_mapped(tmp_path, monkey
         assert len(os.listdir("/proc/self/fd")) <= fds - 6  # the three maps held two descriptors each
 
 
-def test_patched_reader_survives_another_thread_closing_its_map(tmp_path, monkeypatch):
+def test_patched_reader_survives_another_thread_closing_its_map(write_mds, tmp_path, monkeypatch):
     """Threads reading different shards share one open-map budget: a map closed by another thread's
     open while this one reads from it is reopened, not reported as an error."""
     import threading
@@ -172,7 +165,7 @@ def test_patched_reader_survives_another_thread_closing_its_map(tmp_path, monkey
     tfs.patch()
     monkeypatch.setattr(tfs, "MAX_OPEN_SHARDS", 2)
     rows = list(mds_rows(60, 22))
-    src = _write(str(tmp_path / "src"), rows, size_limit=1 << 13)
+    src = write_mds(str(tmp_path / "src"), rows, size_limit=1 << 13)
     ds = _dataset(tmp_path, src)
     starts = np.cumsum([0] + [r.samples for r in ds.shards]).tolist()
     assert len(ds.shards) >= 8

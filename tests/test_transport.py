@@ -174,25 +174,21 @@ def test_unpicklable_objects_raise(channel):
         _roundtrip({"f": lambda: 1}, *channel)
 
 
-def _our_shm() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("torchforge")}
-
-
 @pytest.mark.parametrize("use_memfd", [True, False])
-def test_pool_close_leaves_nothing_behind(use_memfd):
+def test_pool_close_leaves_nothing_behind(our_shm, use_memfd):
     if use_memfd and not hasattr(os, "memfd_create"):
         pytest.skip("memfd_create is not available on this platform")
-    before_shm = _our_shm()
+    before_shm = our_shm()
     before_fds = set(os.listdir("/proc/self/fd"))
     pool, writer = SlabPool(use_memfd=use_memfd), SlabWriter()
     kept = _roundtrip({"x": np.arange(10)}, pool, writer)
     _roundtrip([b"abc"], pool, writer)
     if not use_memfd:
-        assert _our_shm() - before_shm
+        assert our_shm() - before_shm
     writer.close()
     pool.close()
     assert np.array_equal(kept["x"], np.arange(10))  # a batch held across close stays readable
-    assert _our_shm() == before_shm
+    assert our_shm() == before_shm
     del kept
     gc.collect()
     assert set(os.listdir("/proc/self/fd")) - before_fds == set()

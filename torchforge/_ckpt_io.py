@@ -2,8 +2,8 @@
 
 Checksums (standard library + numpy only): every file is cut into 64 MiB blocks; a block's digest is
 BLAKE2b-128 over the 64-bit sums (mod 2**64, little-endian words, last page zero-padded) of its 4 KiB
-pages and its length. numpy sums pages at memory speed (~20 GiB/s, GIL released) where zlib's CRC-32
-manages ~3-5 GiB/s, so checksumming does not slow the save down; per-block digests let threads hash
+pages and its length. numpy sums pages at memory speed with the GIL released (zlib's CRC-32 is several
+times slower), so checksumming is not what limits a save; per-block digests let threads hash
 disjoint parts of one file in parallel and let ``verify`` say where a file is damaged. Any change
 inside one page that does not leave its word sum unchanged is detected - every flipped bit or byte, a zeroed, torn, stale, moved
 or swapped page, truncation - and BLAKE2b makes a different page-sum list collide with probability
@@ -18,6 +18,7 @@ import hashlib
 import json
 import mmap
 import os
+import signal
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,10 +33,13 @@ from torchforge.formats.safetensors import as_bytes, plan, write_all
 
 __all__ = [
     "BLOCK",
+    "CRASH_AT",
+    "CRASH_POINTS",
     "Arena",
     "BlockDigest",
     "FilePlan",
     "copy_tensors",
+    "crash_point",
     "plan_group",
     "verify_files",
     "write_files",
@@ -47,10 +51,24 @@ CHUNK = 4 << 20  # hash-then-write run size
 WRITEBACK = True  # start write-back per block (sync_file_range) instead of leaving it all to fsync
 DIRECT_MIN = 16 << 20  # files at least this large are written with O_DIRECT where the filesystem allows it
 DIRECT_RUN = 32 << 20  # bytes per O_DIRECT write (a multiple of _SUM_PIECE that divides BLOCK); large
-# writes matter: on this machine 8 threads x 32 MiB reach ~3 GiB/s where 8 x 8 MiB reach ~2.1
+# writes matter: fewer, larger requests in flight keep the disk busier (figures in benchmarks/RESULTS.md)
 _SUM_PIECE = 1 << 20  # copied and digested at a time (stays in the CPU cache in between)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+CRASH_AT = "TORCHFORGE_CRASH_AT"
+CRASH_POINTS = ("tmp-created", "data-written", "manifest-written", "before-rename", "after-rename",
+                "old-step-hidden")
 _SYNC_FILE_RANGE_WRITE = 2
+
+
+def crash_point(name: str) -> None:
+    """Test-only hook: SIGKILL this process when the ``TORCHFORGE_CRASH_AT`` environment variable names
+    the point of a save reached now (one of ``CRASH_POINTS``), so that a test can kill a save at a
+    defined moment and check what it leaves on disk (tests/test_checkpoint_crash.py). Unset, it does
+    nothing. The point's name goes to stderr first, so the test can tell where the process died.
+    """
+    if os.environ.get(CRASH_AT) == name:
+        os.write(2, f"torchforge: {CRASH_AT}={name} reached, killing the process\n".encode())
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
@@ -207,9 +225,8 @@ _side_streams: dict[Any, Any] = {}
 
 def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, ordered: bool = False) -> list[Any]:
     """``dst.copy_(src)`` for every pair. CPU pairs are copied by torch, which splits each copy over its
-    intra-op threads: on this machine that is 10-15% faster than 8 MiB pieces shared by a pool of
-    threads through numpy (1 GiB of model and AdamW state: 50-54 ms against 54-56 for a snapshot, ~40
-    against ~50 for a restore), and it is the copy ``load_file`` + ``copy_`` uses.
+    intra-op threads (8 MiB pieces shared by a pool of threads through numpy were no faster), and it is
+    the copy ``load_file`` + ``copy_`` uses.
 
     Copies that involve a GPU are waited for before returning, unless ``ordered``: then they run on a
     side stream of each device (after everything already queued on its current stream), the current
@@ -277,12 +294,10 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
     thread gathers ``DIRECT_RUN`` bytes of the file into a page-aligned buffer of its own, digests them
     there while they are in the CPU cache and hands them to the disk without the page cache; several
     writes in flight keep the disk's queue full, and the buffers' huge pages let each request reach the
-    device's size limit (see :func:`huge_page_buffer`). On this machine that takes 0.28-0.32 s per GiB,
-    steadily, where buffered writes plus fsync swing between ~0.31 s and 2-3 s per GiB: writing into the
-    page cache is slow (~0.4 GiB/s) whenever the kernel hands out memory this VM's host has not backed
-    yet (seen as ~2.5 s per GiB for every writer, safetensors' included, when earlier files stay cached
-    and as ~0.25 s when deleted files' pages are reused). It also leaves the page cache to the training
-    job. The files are then not in the page cache.
+    device's size limit (see :func:`huge_page_buffer`). Its speed does not depend on the state of the
+    page cache, where buffered writes plus fsync can swing several-fold: writing into the page cache is
+    slow whenever the kernel must first find fresh memory (on a VM, memory its host has not backed yet).
+    It also leaves the page cache to the training job. The files are then not in the page cache.
     Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network filesystems) the buffered path runs.
 
     The buffered path: ``pool`` hashes and writes blocks; ``flusher`` (one thread) starts each written
@@ -335,9 +350,11 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
         for fd, size in padded:
             os.ftruncate(fd, size)
         entries = {f.name: {"size": f.size, "digests": sums[f.name]} for f in files}
+        crash_point("data-written")
         if then is not None:
             last = then(entries)
             write_all(create(last.name, last.size)[0], [v for _, v in last.views], 0)
+            crash_point("manifest-written")
         for fut in flushes:
             fut.result()
         for fut in [pool.submit(os.fsync, fd) for fd in fds.values()]:
@@ -366,11 +383,12 @@ def huge_page_buffer(size: int) -> memoryview:
     """``size`` bytes of private anonymous memory, aligned to 2 MiB and advised for transparent huge pages.
 
     An O_DIRECT write hands the disk the buffer's physical pages: 4 KiB pages scattered in memory cap a
-    request at the device's segment count (254 x 4 KiB, about 1 MiB, on this machine's virtio disk) where
-    2 MiB pages let a request reach its size limit (4 MiB). Measured here, 1 GiB in 8 x 32 MiB writes:
-    0.27-0.28 s from huge pages, 0.32-0.41 s from 4 KiB pages. It must be a private map: a shared
-    anonymous map (``mmap.mmap(-1, n)``'s default) is shmem, which gets no huge pages here. Where the
-    kernel gives none, this is plain page-aligned memory.
+    request at the device's segment count (``/sys/block/*/queue/max_segments``; 254 x 4 KiB, about 1 MiB,
+    on a typical virtio disk) where 2 MiB pages let a request reach its size limit
+    (``max_sectors_kb``). It must be a private map: a shared anonymous map (``mmap.mmap(-1, n)``'s
+    default) is shmem, which gets transparent huge pages only where
+    ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows. Where the kernel gives none, this is
+    plain page-aligned memory.
     """
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     m = mmap.mmap(-1, size + _HUGE, flags=flags) if flags else mmap.mmap(-1, size + _HUGE)

@@ -33,6 +33,7 @@ import torch
 from torchforge._ckpt_io import (
     Arena,
     FilePlan,
+    crash_point,
     plan_group,
     verify_files,
     write_files,
@@ -195,6 +196,7 @@ class Checkpointer:
     def _write(self, step: int, files: list[FilePlan], state: dict) -> None:
         tmp = os.path.join(self.root, f".tmp-step-{step:08d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.mkdir(tmp)
+        crash_point("tmp-created")
         try:
             def manifest(entries: dict[str, Any]) -> FilePlan:
                 m = {"format": _FORMAT, "version": 1, "step": step,
@@ -204,11 +206,13 @@ class Checkpointer:
             write_files(tmp, files, self._pool, self._flusher, then=manifest, direct=self.direct_io)
             fsync_dir(tmp)
             final = self.path(step)
+            crash_point("before-rename")
             with self._lock:
                 if os.path.exists(final):  # re-saving a step: move the old one out of sight first
                     self._discard(final)
                 os.rename(tmp, final)
                 fsync_dir(self.root)
+            crash_point("after-rename")
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, OSError):
@@ -230,6 +234,7 @@ class Checkpointer:
         trash = os.path.join(self.root, f".trash-{os.path.basename(folder)}-{uuid.uuid4().hex[:8]}")
         os.rename(folder, trash)
         fsync_dir(self.root)
+        crash_point("old-step-hidden")
         self._deletes = [f for f in self._deletes if not f.done()]
         self._deletes.append(self._pool.submit(shutil.rmtree, trash, ignore_errors=True))
 
@@ -302,22 +307,28 @@ class Checkpointer:
         folder = self.path(step)
         files = self.manifest(step)["files"]
         verify_files(folder, files, checksums=verify, pool=self._pool)
-        state = self._json(folder, STATE)
+        state = self._state(folder, step)
+        where = os.path.join(folder, STATE)
         try:
             if model is not None:
                 if "model" not in state:
-                    raise CheckpointError(f"step {step} holds no model state", path=folder)
+                    raise CheckpointError(f"step {step} holds no model state", path=where)
                 names, get = self._group(folder, "model", files)
                 restore_model(model, get, names, state["model"]["aliases"], folder)
             if optimizer is not None:
                 if "optimizer" not in state:
-                    raise CheckpointError(f"step {step} holds no optimizer state", path=folder)
+                    raise CheckpointError(f"step {step} holds no optimizer state", path=where)
                 _, get = self._group(folder, "optimizer", files)
-                restore_optimizer(optimizer, decode(state["optimizer"], get), folder)
+                saved = _decode(state["optimizer"], get, where)
+                if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict)
+                        and all(isinstance(e, dict) for e in saved["state"].values())):
+                    raise CheckpointError(f"{STATE} is damaged: the optimizer state is not a dict of dicts",
+                                          path=where)
+                restore_optimizer(optimizer, saved, folder)
             if "extra.safetensors.index.json" in files:
                 _, get = self._group(folder, "extra", files)
-                return decode(state["extra"], lambda k: get(k).to(map_location, copy=True))
-            return decode(state["extra"], lambda k: _missing(k, folder))
+                return _decode(state["extra"], lambda k: get(k).to(map_location, copy=True), where)
+            return _decode(state["extra"], lambda k: _missing(k, folder), where)
         except TorchforgeError as e:
             if isinstance(e, CheckpointError):
                 raise
@@ -325,6 +336,18 @@ class Checkpointer:
         except OSError as e:
             raise CheckpointError(f"step {step} cannot be read: {e.strerror}",
                                   path=e.filename or folder) from e
+
+    def _state(self, folder: str, step: int) -> dict[str, Any]:
+        """The step's ``state.json``, checked for the structure ``restore`` relies on.
+
+        Raises:
+            CheckpointError: naming ``state.json`` when it is unreadable or not the state of ``step``.
+        """
+        state = self._json(folder, STATE)
+        problem = _state_problem(state, step)
+        if problem:
+            raise CheckpointError(f"{STATE} is damaged: {problem}", path=os.path.join(folder, STATE))
+        return state
 
     def _json(self, folder: str, name: str) -> Any:
         p = os.path.join(folder, name)
@@ -366,6 +389,36 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _state_problem(state: Any, step: int) -> str | None:
+    """What is wrong with a parsed ``state.json`` of ``step`` (None when it has the expected structure)."""
+    if not isinstance(state, dict):
+        return f"it holds a {type(state).__name__}, not a JSON object"
+    head = {k: state.get(k) for k in ("format", "version", "step")}
+    if head != {"format": _FORMAT, "version": 1, "step": step}:
+        return f"{head} where {{'format': {_FORMAT!r}, 'version': 1, 'step': {step}}} was expected"
+    if "extra" not in state:
+        return "no 'extra' entry"
+    if "model" in state:
+        aliases = state["model"].get("aliases") if isinstance(state["model"], dict) else None
+        if not (isinstance(aliases, dict) and all(isinstance(v, str) for v in aliases.values())):
+            return "'model' has no 'aliases' dict of names"
+    if "optimizer" in state:
+        opt = state["optimizer"]
+        groups = opt.get("param_groups") if isinstance(opt, dict) else None
+        if not (isinstance(groups, list) and "state" in opt
+                and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+            return "'optimizer' has no 'state' and 'param_groups' list of groups with 'params'"
+    return None
+
+
+def _decode(value: Any, tensor: Any, where: str) -> Any:
+    """:func:`decode`, with a malformed tagged value reported as a damaged ``state.json``."""
+    try:
+        return decode(value, tensor)
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        raise CheckpointError(f"{STATE} is damaged: cannot decode {e!r}", path=where) from e
 
 
 def _missing(name: str, folder: str) -> torch.Tensor:

@@ -17,6 +17,7 @@ import numpy as np
 import orjson
 
 from torchforge.errors import FormatError, TorchforgeError
+from torchforge.formats.values import BYTES_LIKE
 
 __all__ = ["ConversionStats", "convert", "infer_mds_columns", "iter_jsonl", "open_source"]
 
@@ -159,10 +160,10 @@ def _kind(v: Any) -> tuple:
         return ("int",) if -(2**63) <= v < 2**63 else ("json",)
     if isinstance(v, float):
         return ("float64",)
-    if isinstance(v, (bytes, bytearray, memoryview)):
+    if isinstance(v, BYTES_LIKE):  # before ndarray: a ByteView is one
         return ("bytes",)
-    if isinstance(v, np.generic) and v.dtype.name in _NP_SCALARS:
-        return (v.dtype.name,)
+    if isinstance(v, (np.generic, np.ndarray)) and v.ndim == 0 and v.dtype.name in _NP_SCALARS:
+        return (v.dtype.name,)  # numpy scalars and 0-d arrays and tensors
     if isinstance(v, np.ndarray):
         return ("ndarray", v.dtype.name, v.shape)
     return ("json",)

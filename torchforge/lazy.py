@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
+from torchforge.formats.values import ByteView
+
 __all__ = ["Decoder", "LazySample", "LazySource", "lazy_sample", "materialize"]
 
 _PLAIN = frozenset({str, int, float, bool, type(None)})
@@ -173,7 +175,7 @@ def _wrap_list(v: list, src: LazySource, offset: int) -> list:
 
 
 def materialize(value: Any) -> Any:
-    """Turn lazy samples (also nested in lists and dicts) into plain dicts; memoryviews into bytes."""
+    """Turn lazy samples (also nested in lists and dicts) into plain dicts; byte views into bytes."""
     t = type(value)
     if t is LazySample:
         return value.materialize()
@@ -181,6 +183,6 @@ def materialize(value: Any) -> Any:
         return {k: materialize(v) for k, v in value.items()}
     if t is list:
         return [materialize(x) for x in value]
-    if t is memoryview:
+    if t is memoryview or t is ByteView:
         return value.tobytes()
     return value

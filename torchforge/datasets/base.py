@@ -15,12 +15,14 @@ from typing import Any, ClassVar
 import numpy as np
 import torch.utils.data
 
+from torchforge.cache import user_cache_dir
 from torchforge.errors import FormatError, NotFoundError, TorchforgeError
+from torchforge.formats.values import BYTES_LIKE
 
 __all__ = ["KEY_CACHE_PREFIX", "ShardDataset"]
 
 log = logging.getLogger(__name__)
-KEY_CACHE_PREFIX = ".torchforge-keys-"
+KEY_CACHE_PREFIX = "keys-"
 
 
 class ShardDataset(torch.utils.data.Dataset):
@@ -46,7 +48,7 @@ class ShardDataset(torch.utils.data.Dataset):
 
     @property
     def root(self) -> str:
-        """The folder the key cache is written into (the folder of the first shard by default)."""
+        """The dataset's folder (the folder of the first shard by default)."""
         files = self.shard_files()
         return os.path.dirname(os.path.abspath(files[0])) if files else os.getcwd()
 
@@ -70,8 +72,10 @@ class ShardDataset(torch.utils.data.Dataset):
         Args:
             field_or_fn: a field name (dots descend into nested mappings: ``"meta.source"``) or a
                 callable taking the (lazy) sample and returning its key.
-            cache: for a field name, keep the array in a file beside the shards, invalidated when a
-                shard file changes (size or modification time).
+            cache: for a field name, keep the array in the per-user cache folder
+                (:func:`torchforge.cache.user_cache_dir`, never the data folder), keyed by the dataset's
+                identity: its format, the field, and every shard file's absolute path, size and
+                modification time (a changed shard gets a new entry).
 
         Returns:
             A numpy array of ``len(self)`` keys: numeric, ``U`` for strings, ``S`` for bytes.
@@ -110,8 +114,13 @@ class ShardDataset(torch.utils.data.Dataset):
                 st = os.stat(f)
             except OSError:
                 return None
-            h.update(f"\0{os.path.basename(f)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-        return os.path.join(self.root, f"{KEY_CACHE_PREFIX}{h.hexdigest()[:24]}.npy")
+            h.update(f"\0{os.path.abspath(f)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        try:
+            folder = user_cache_dir("keys")
+        except OSError as e:  # the cache is an optimisation only
+            log.debug("no key cache: %s", e)
+            return None
+        return os.path.join(folder, f"{KEY_CACHE_PREFIX}{h.hexdigest()[:32]}.npy")
 
 
 def _dig(sample: Any, parts: Sequence[str], field: str) -> Any:
@@ -130,7 +139,7 @@ def _to_key_array(keys: list[Any]) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if all(isinstance(k, str) for k in keys):
         return np.array(keys, dtype=str)
-    if all(isinstance(k, (bytes, bytearray, memoryview)) for k in keys):
+    if all(isinstance(k, BYTES_LIKE) for k in keys):
         return np.array([bytes(k) for k in keys], dtype=bytes)
     arr = np.asarray(keys)
     if arr.dtype == object:
@@ -143,7 +152,7 @@ def _save_atomic(path: str, arr: np.ndarray) -> None:
     folder = os.path.dirname(path)
     try:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-keys-")
-    except OSError as e:  # read-only dataset folder: the cache is an optimisation only
+    except OSError as e:  # the cache is an optimisation only
         log.debug("key cache not written to %s: %s", folder, e)
         return
     try:

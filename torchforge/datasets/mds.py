@@ -46,8 +46,9 @@ class MDSDataset(ShardDataset):
         lazy: ``__getitem__`` returns a mapping that decodes each column on first lookup.
         allow_unsafe_types: decode ``pkl`` columns (runs pickle: only for data you trust).
         cache_dir: where decompressed shards go (default: a new folder under the system temp dir).
-        zero_copy: ``bytes`` columns come back as read-only memoryviews into the shard's map (or the
-            decompressed sample) instead of ``bytes`` copies; ``bytes(value)`` copies when needed.
+        zero_copy: ``bytes`` columns come back as :class:`~torchforge.formats.values.ByteView`, a
+            read-only view into the shard's map (or the decompressed sample) that compares, hashes,
+            pickles and collates as ``bytes``, instead of ``bytes`` copies.
 
     Raises:
         FormatError: no or bad index.json, a shard file missing or of the wrong size, a ``pkl``

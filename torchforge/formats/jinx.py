@@ -38,6 +38,7 @@ from torchforge.formats.jinx_codec import (
     save_pt,
 )
 from torchforge.formats.jinx_reader import JinxShard, sidecar_path
+from torchforge.formats.values import BYTES_LIKE, as_bytes
 from torchforge.lazy import LazySample
 from torchforge.sizes import parse_size
 
@@ -124,8 +125,8 @@ class _ShardWriter:
             return self.prepare(value), None
         if isinstance(value, (list, tuple)):
             return self.prepare_list(value), None
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            return self.store_bytes(value, "raw")
+        if isinstance(value, BYTES_LIKE):  # before ndarray: a ByteView is one
+            return self.store_bytes(as_bytes(value, "JINX raw value"), "raw")
         if isinstance(value, np.ndarray):
             return self.store_bytes(save_npy(value), "npy")
         torch = sys.modules.get("torch")

@@ -34,6 +34,7 @@ from torchforge.formats.jinx_codec import (
     load_npy,
     load_pt,
 )
+from torchforge.formats.values import ByteView, byte_view
 from torchforge.lazy import Decoder, LazySample, lazy_sample
 
 __all__ = ["LINE_ERRORS", "LINE_PARSER", "JinxShard", "sidecar_path"]
@@ -93,6 +94,7 @@ class JinxShard:
         except OSError as e:
             raise FormatError(f"cannot open JINX shard ({e.strerror or e})", path=self.path) from e
         self._bin_mv: memoryview | None = None
+        self._bin_bv: ByteView | None = None  # the same bytes, as the ByteView raw values are sliced from
         self._bin_mm: Any = None
         self._bin_size = -1  # until the sidecar is opened
         self._read_footer()
@@ -214,6 +216,7 @@ class JinxShard:
         except OSError as e:
             raise self._fail(f"cannot open the sidecar ({e.strerror or e})", None, self.bin_path) from e
         self._bin_size = len(self._bin_mv)
+        self._bin_bv = byte_view(self._bin_mv)
         return self._bin_mv
 
     # --- lines -----------------------------------------------------------------------------------------
@@ -357,7 +360,7 @@ class JinxShard:
             except UnicodeDecodeError as e:
                 raise self._fail(f"value of {raw_key!r} is not valid UTF-8 ({e})", offset) from None
         if ser == "raw":
-            return data
+            return data if type(data) is bytes else byte_view(data)
         if ser is None:
             try:
                 return orjson.loads(data)
@@ -428,7 +431,7 @@ class JinxShard:
                 if sep in k:
                     name = k.partition(sep)[0]
                     v = self.decode(k, v, offset)
-                    if type(v) is memoryview:
+                    if type(v) is ByteView or type(v) is memoryview:
                         v = v.tobytes()
                 elif type(v) is dict or type(v) is list:
                     name, v = k, self.eager(v, offset)
@@ -444,12 +447,12 @@ class JinxShard:
 
     def close(self) -> None:
         """Drop the memory maps (they close once no view into them is alive)."""
-        self._mv = self._bin_mv = self.lines = None  # type: ignore[assignment]
+        self._mv = self._bin_mv = self._bin_bv = self.lines = None  # type: ignore[assignment]
         self._mm = self._bin_mm = None
         self._bin_size = -1
 
 
-def _raw_sidecar_view(shard: JinxShard, loc: Any, offset: int) -> memoryview:
+def _raw_sidecar_view(shard: JinxShard, loc: Any, offset: int) -> ByteView:
     """Decoder of an uncompressed sidecar value (``name.raw.bin``): a zero-copy view into the map.
 
     The hot path of images; anything unusual (sidecar not open yet, a bad reference) goes through
@@ -459,5 +462,5 @@ def _raw_sidecar_view(shard: JinxShard, loc: Any, offset: int) -> memoryview:
         o = loc.get("offset")
         n = loc.get("length")
         if type(o) is int and type(n) is int and 0 <= o <= o + n <= shard._bin_size:
-            return shard._bin_mv[o:o + n]  # type: ignore[index]
-    return shard.sidecar(loc, offset)
+            return shard._bin_bv[o:o + n]  # type: ignore[index]
+    return byte_view(shard.sidecar(loc, offset))

@@ -28,6 +28,7 @@ from typing import Any, Self
 from torchforge.codecs import Codec, parse_compression
 from torchforge.errors import CodecError, FormatError
 from torchforge.formats.mds_encodings import Encoding, get_encoding
+from torchforge.formats.values import BYTES_LIKE, as_bytes
 from torchforge.sizes import parse_size
 
 __all__ = ["MAX_SHARD_BYTES", "Compression", "MDSWriter", "get_hash", "hash_names", "parse_mds_compression"]
@@ -220,7 +221,7 @@ class MDSWriter:
             except KeyError:
                 raise FormatError(f"sample has no column {name!r} (columns: {self.column_names})") from None
             # Streaming stores bytes as they are, whatever the encoding (pre-encoded JPEG, ...).
-            datum = value if isinstance(value, bytes) else enc.encode(value)
+            datum = as_bytes(value, "MDS") if isinstance(value, BYTES_LIKE) else enc.encode(value)
             if enc.size is None:
                 sizes.append(len(datum).to_bytes(4, "little"))
             elif len(datum) != enc.size:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from torchforge.errors import FormatError
+from torchforge.formats.values import as_bytes
 
 __all__ = ["Encoding", "encoding_names", "get_encoding", "is_safe"]
 
@@ -70,14 +72,21 @@ def _need(obj: Any, types: type | tuple[type, ...], name: str) -> None:
         raise TypeError(f"encoding {name!r} takes {want}, got {type(obj).__name__}")
 
 
+def _as_array(obj: Any) -> Any:
+    """A torch tensor as the numpy array of its data (copied to the CPU if needed); anything else as is."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy()
+    return obj
+
+
 def _text(data: Buffer) -> str:
     return str(data, "utf-8") if not isinstance(data, memoryview) else bytes(data).decode("utf-8")
 
 
 # --- simple encodings -------------------------------------------------------------------------------
 def _bytes_enc(obj: Any) -> bytes:
-    _need(obj, bytes, "bytes")
-    return obj
+    return as_bytes(obj, "encoding 'bytes'")
 
 
 def _str_enc(obj: Any) -> bytes:
@@ -108,7 +117,7 @@ def _scalar(name: str) -> Encoding:
     size = dtype.itemsize
 
     def enc(obj: Any) -> bytes:
-        return typ(obj).tobytes()
+        return typ(_as_array(obj)).tobytes()
 
     def dec(data: Buffer) -> Any:
         if len(data) != size:
@@ -175,6 +184,7 @@ def _ndarray(name: str, config: str) -> Encoding:
         size = int(np.prod(shape)) * np_dtype.itemsize
 
     def enc(arr: Any) -> bytes:
+        arr = _as_array(arr)
         _need(arr, np.ndarray, name)
         code = _VALUE_CODES.get(arr.dtype.name)
         if code is None:

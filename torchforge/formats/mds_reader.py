@@ -22,6 +22,7 @@ import numpy as np
 from torchforge.errors import CodecError, CorruptShardError, FormatError, NotFoundError, TorchforgeError
 from torchforge.formats.mds import INDEX_BASENAME, Compression, parse_mds_compression
 from torchforge.formats.mds_encodings import Encoding, get_encoding
+from torchforge.formats.values import ByteView, byte_view
 
 __all__ = ["LazySample", "MDSShard", "SampleDecoder", "ShardMeta", "parse_shard_entry", "read_index"]
 
@@ -127,9 +128,9 @@ def read_index(folder: str) -> list[ShardMeta]:
     return [parse_shard_entry(e, f"shards[{k}]", path) for k, e in enumerate(obj["shards"])]
 
 
-def _view(data: memoryview | bytes) -> memoryview:
-    """A ``bytes`` column without a copy: a read-only view of the sample's buffer."""
-    return data.toreadonly() if type(data) is memoryview else memoryview(data).toreadonly()
+def _view(data: memoryview | bytes) -> ByteView:
+    """A ``bytes`` column without a copy: a read-only view of the sample's buffer that pickles as bytes."""
+    return byte_view(data)
 
 
 class SampleDecoder:
@@ -140,8 +141,8 @@ class SampleDecoder:
         path: the shard file, for error messages.
         allow_unsafe_types: decode ``pkl`` columns (runs pickle: only for data you trust).
         columns: decode only these columns (None: all).
-        zero_copy: ``bytes`` columns come back as read-only memoryviews of the sample's buffer (the
-            shard's map when it is not sample-compressed) instead of copies.
+        zero_copy: ``bytes`` columns come back as :class:`~torchforge.formats.values.ByteView` views of the
+            sample's buffer (the shard's map when it is not sample-compressed) instead of copies.
     """
 
     def __init__(self, meta: ShardMeta, path: str, *, allow_unsafe_types: bool = False,
