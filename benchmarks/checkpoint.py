@@ -31,8 +31,8 @@ import torch
 from _pagecache import read_once
 from safetensors.torch import load_file, save_file
 
-from torchforge._ckpt_io import huge_page_buffer
 from torchforge.checkpoint import Checkpointer
+from torchforge.checkpoint.writer import huge_page_buffer
 from torchforge.formats.safetensors import fsync_dir
 
 

@@ -283,7 +283,7 @@ memory (`RssAnon`, sampled every 20 ms). Storage is the bytes on disk of the dat
 # Hardware-specific figures that used to sit in the library's docstrings: kept here, labelled for what they
 # are, rather than re-measured (no benchmark script reproduces them).
 DESIGN_NOTES = """\
-Figures behind design choices in `torchforge/_ckpt_io.py` and `torchforge/formats/mds_encodings.py`,
+Figures behind design choices in `torchforge/checkpoint/writer.py` and `torchforge/formats/mds_encodings.py`,
 measured by hand on the development VM (2 cores, virtio disk) when that code was written. `make bench`
 does not re-measure them and they hold for that machine only; the library's docstrings state the design
 and leave the numbers here.

@@ -267,7 +267,7 @@ def test_missing_step_and_mismatched_objects(tmp_path):
 
 
 def test_background_failure_is_raised_by_wait(tmp_path, monkeypatch):
-    import torchforge.checkpoint as mod
+    import torchforge.checkpoint.checkpointer as mod
 
     m, _ = _fresh()
     ck = Checkpointer(tmp_path)
@@ -365,7 +365,7 @@ def test_cuda_model_non_blocking_save_and_restore(tmp_path):
 def test_block_digest_streaming_and_what_it_detects():
     import random
 
-    from torchforge._ckpt_io import PAGE, BlockDigest
+    from torchforge.checkpoint.writer import PAGE, BlockDigest
 
     rng = random.Random(0)
     data = bytes(rng.getrandbits(8) for _ in range(3 * PAGE + 123))
@@ -399,7 +399,7 @@ def test_block_digest_streaming_and_what_it_detects():
 def _small_direct_io(monkeypatch) -> list[int]:
     """Direct I/O for every file, with blocks, runs and digest pieces small enough that a small model
     spans many of each and tensors straddle their boundaries. Returns a list that counts the runs."""
-    import torchforge._ckpt_io as io
+    import torchforge.checkpoint.writer as io
 
     monkeypatch.setattr(io, "DIRECT_MIN", 0)
     monkeypatch.setattr(io, "BLOCK", 64 << 10)
@@ -493,7 +493,7 @@ def test_a_damaged_block_written_with_direct_io_is_named(tmp_path, monkeypatch):
 def test_direct_io_buffers_are_private_and_aligned_for_huge_pages():
     import ctypes
 
-    from torchforge._ckpt_io import huge_page_buffer
+    from torchforge.checkpoint.writer import huge_page_buffer
 
     buf = huge_page_buffer(3 << 20)
     assert len(buf) == 3 << 20 and not buf.readonly

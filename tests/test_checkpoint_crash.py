@@ -1,7 +1,7 @@
 """Crash safety: a save SIGKILLed at each defined point of its course leaves a consistent checkpoint folder.
 
 A forked child process saves steps 1 and 2, then saves step 3 with ``TORCHFORGE_CRASH_AT`` naming one of the
-save's crash points (``torchforge._ckpt_io.CRASH_POINTS``), where the save SIGKILLs its own process. The
+save's crash points (``torchforge.checkpoint.writer.CRASH_POINTS``), where the save SIGKILLs its own process. The
 test checks that the child died there and nowhere else, lists exactly what is on disk, and checks that
 the steps committed before the crash verify and restore bit for bit, that step 3 is either absent or
 complete, that a half-written step cannot pass as a valid one, and that the next Checkpointer cleans up.
@@ -20,8 +20,8 @@ import traceback
 import pytest
 import torch
 
-from torchforge._ckpt_io import CRASH_AT, CRASH_POINTS
 from torchforge.checkpoint import MANIFEST, Checkpointer
+from torchforge.checkpoint.writer import CRASH_AT, CRASH_POINTS
 from torchforge.errors import CheckpointError
 
 BEFORE_COMMIT = {"tmp-created", "data-written", "manifest-written", "before-rename"}

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from torchforge._ckpt_io import copy_tensors
+from torchforge.checkpoint.writer import copy_tensors
 from torchforge.errors import CheckpointError
 
 __all__ = ["TensorTable", "decode", "encode", "restore_model", "restore_optimizer"]

@@ -1,22 +1,4 @@
-"""Atomic, versioned, verified, optionally asynchronous checkpoints in safetensors shards. No pickle.
-
-Layout of ``root``::
-
-    step-00000100/
-        model-00001-of-00002.safetensors ...   model.safetensors.index.json   (Hugging Face format)
-        optimizer-00001-of-00001.safetensors   optimizer.safetensors.index.json
-        extra-00001-of-00001.safetensors       extra.safetensors.index.json   (only if extra has tensors)
-        state.json       non-tensor state as JSON: optimizer param groups, step counters, ``extra``, aliases
-        manifest.json    every other file's size and a digest per 64 MiB block (written last; see _ckpt_io)
-
-A step is written into ``.tmp-step-…`` with every file fsynced, then the folder is fsynced and renamed to
-``step-…`` and the root fsynced: a step folder is either complete or absent, whatever moment a crash
-hits. Older steps beyond ``keep_last`` are removed only after the new step is committed.
-
->>> ckpt = Checkpointer("runs/a/ckpt", keep_last=3)  # doctest: +SKIP
->>> ckpt.save(step, model=model, optimizer=opt, extra={"epoch": 2}, blocking=False)  # doctest: +SKIP
->>> extra = ckpt.restore(model=model, optimizer=opt)  # latest step  # doctest: +SKIP
-"""
+"""The :class:`Checkpointer` (see :mod:`torchforge.checkpoint` for the layout)."""
 from __future__ import annotations
 
 import json
@@ -30,7 +12,15 @@ from typing import Any, Self
 
 import torch
 
-from torchforge._ckpt_io import (
+from torchforge.checkpoint.state import (
+    TensorTable,
+    decode,
+    encode,
+    model_table,
+    restore_model,
+    restore_optimizer,
+)
+from torchforge.checkpoint.writer import (
     Arena,
     FilePlan,
     crash_point,
@@ -38,7 +28,6 @@ from torchforge._ckpt_io import (
     verify_files,
     write_files,
 )
-from torchforge._ckpt_state import TensorTable, decode, encode, model_table, restore_model, restore_optimizer
 from torchforge.errors import CheckpointError, TorchforgeError
 from torchforge.formats.safetensors import fsync_dir, load_safetensors
 from torchforge.sizes import parse_size
