@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Checkpointer": "torchforge.checkpoint",
     "DataLoader": "torchforge.loader",
+    "FeatureStore": "torchforge.features",
     "GlobalSampler": "torchforge.sampler",
     "IterableShards": "torchforge.sampler",
     "JinxDataset": "torchforge.datasets.jinx",
@@ -31,6 +32,7 @@ _EXPORTS = {
 __all__ = [
     "Checkpointer",
     "DataLoader",
+    "FeatureStore",
     "GlobalSampler",
     "IterableShards",
     "JinxDataset",

@@ -1,0 +1,444 @@
+"""FeatureStore: concurrent ranks, crash safety, versions, round trips, hostile files, workers, join, CLI."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torchforge import DataLoader
+from torchforge.errors import CorruptShardError, FormatError, NotFoundError, TorchforgeError
+from torchforge.features import FeatureStore, MissingIdsError
+from torchforge.features.layout import stale_temp_files
+from torchforge.loader import collate
+
+SCHEMA = {"emb": ((4,), torch.float16), "loss": ((), torch.float32)}
+
+
+def _rows(ids, salt=0.0):
+    ids = np.asarray(ids, dtype=np.int64)
+    emb = torch.from_numpy(np.stack([ids + k + salt for k in range(4)], 1).astype(np.float32))
+    return {"emb": emb, "loss": torch.from_numpy((ids * 0.5 + salt).astype(np.float32))}
+
+
+def _expect(store, ids, salt=0.0):
+    got = store.get(ids)
+    want = _rows(ids, salt)
+    assert torch.equal(got["emb"], want["emb"].half()), (got["emb"], want["emb"])
+    assert torch.equal(got["loss"], want["loss"])
+
+
+@pytest.fixture
+def store(tmp_path):
+    return FeatureStore(tmp_path / "fs", SCHEMA, create=True)
+
+
+# --- concurrent ranks ----------------------------------------------------------------------------
+def _rank_main(rank, world, path, rendezvous):
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        store = FeatureStore(path)
+        w = store.writer(shard_size=4096)  # several shards per rank
+        ids = np.arange(rank, 3000, world, dtype=np.int64) * 7 + 5  # interleaved, sparse, unordered below
+        ids = np.random.default_rng(rank).permutation(ids)
+        dist.barrier()  # every rank writes at the same time
+        for k in range(0, len(ids), 100):
+            w.write(torch.from_numpy(ids[k:k + 100]), **_rows(ids[k:k + 100]))
+        dist.barrier()  # ... and commits at the same time: not a collective, no lock
+        v = w.commit()
+        with open(os.path.join(os.path.dirname(rendezvous), f"rank{rank}.json"), "w") as f:
+            json.dump({"version": v, "ids": ids.tolist()}, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_three_gloo_ranks_write_concurrently_then_each_commits_a_version(tmp_path):
+    path = str(tmp_path / "fs")
+    FeatureStore(path, SCHEMA, create=True)
+    ctx = mp.start_processes(_rank_main, args=(3, path, str(tmp_path / "rdv")), nprocs=3, join=False,
+                             start_method="spawn")
+    while not ctx.join():
+        pass
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert sorted(r["version"] for r in results) == [1, 2, 3]  # each commit its own version, none lost
+    store = FeatureStore(path)
+    assert store.version == 3 and len(store) == 3000
+    every = np.concatenate([r["ids"] for r in results])
+    _expect(store, every)
+    assert np.array_equal(store.ids(), np.sort(every))
+    by_version = {r["version"]: r["ids"] for r in sorted(results, key=lambda r: r["version"])}
+    seen = []
+    for v in (1, 2, 3):  # version v holds exactly the rows of the commits up to v
+        seen += by_version[v]
+        old = store.at(v)
+        assert len(old) == len(seen)
+        _expect(old, seen)
+
+
+# --- crashes -------------------------------------------------------------------------------------
+_KILLED_WRITER = textwrap.dedent("""
+    import sys, numpy as np, torch
+    from torchforge.features import FeatureStore
+    w = FeatureStore(sys.argv[1]).writer(shard_size=1 << 16)
+    i = 0
+    while True:
+        ids = np.arange(i, i + 512) + 10_000
+        w.write(ids, emb=torch.zeros(512, 4), loss=torch.full((512,), -1.0))
+        i += 512
+        if i == 512 * 8:
+            print("writing", flush=True)
+""")
+
+
+def test_writer_sigkilled_mid_write_leaves_last_version_intact(store, tmp_path):
+    with store.writer() as w:
+        w.write(np.arange(100), **_rows(np.arange(100)))
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, store.path], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == b"writing"  # it has flushed shards and keeps writing
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+    left = os.listdir(os.path.join(store.path, "shards"))
+    assert len(left) > 1  # its shards (and maybe a partial temp file) are there, named by nothing
+    reopened = FeatureStore(store.path)
+    assert reopened.version == 1 and len(reopened) == 100
+    _expect(reopened, np.arange(100))
+    with pytest.raises(MissingIdsError):
+        reopened.get([10_000])
+    assert all(f"-{proc.pid}-" in os.path.basename(p) for p in stale_temp_files(store.path))
+    w = reopened.writer()  # the next writer commits as if nothing happened
+    w.write([100], **_rows([100]))
+    assert w.commit() == 2
+    _expect(reopened, np.arange(101))
+
+
+def test_uncommitted_writer_leaves_nothing_visible_and_abort_removes_its_shards(store):
+    w = store.writer(shard_size=64)
+    w.write(np.arange(10), **_rows(np.arange(10)))
+    w.flush()
+    assert FeatureStore(store.path).version == 0
+    w.close()
+    assert os.listdir(os.path.join(store.path, "shards")) == []
+    with pytest.raises(TorchforgeError, match="closed"):
+        w.write([1], **_rows([1]))
+
+
+# --- versions ------------------------------------------------------------------------------------
+def test_overwrite_last_commit_wins_and_at_reads_older_versions(store):
+    a = store.writer()
+    a.write(np.arange(10), **_rows(np.arange(10)))
+    assert a.commit() == 1
+    b = store.writer()
+    b.write(np.arange(5, 15), **_rows(np.arange(5, 15), salt=100))
+    b.write([14], **_rows([14], salt=200))  # within one commit the last write wins too
+    assert b.commit() == 2
+    assert store.version == 2 and len(store) == 15
+    _expect(store, np.arange(5), 0)
+    _expect(store, np.arange(5, 14), 100)
+    _expect(store, [14], 200)
+    v1 = store.at(1)
+    assert v1.version == 1 and len(v1) == 10
+    _expect(v1, np.arange(10))
+    with pytest.raises(MissingIdsError):
+        v1.get([12])
+    assert len(store.at(0)) == 0
+    with pytest.raises(NotFoundError, match="version 7"):
+        store.at(7)
+    c = store.writer()  # a later commit overwrites every row of the first: its shard is dropped
+    c.write(np.arange(10), **_rows(np.arange(10), salt=300))
+    assert c.commit() == 3
+    assert len(store._snap.manifest.shards) == 2
+    _expect(store, np.arange(10), 300)
+    _expect(store.at(1), np.arange(10))  # the old version still reads its own shard
+
+
+def test_get_keeps_order_and_repeats_and_fills_missing(store):
+    ids = np.array([2**40, -5, 3, 2**62], dtype=np.int64)
+    with store.writer() as w:
+        w.write(torch.from_numpy(ids), **_rows(ids))
+    _expect(store, [3, -5, 3, 2**62, 2**40])
+    with pytest.raises(MissingIdsError) as e:
+        store.get([3, 4, 7])
+    assert e.value.ids == [4, 7] and isinstance(e.value, KeyError) and "[4, 7]" in str(e.value)
+    got = store.get([4, 3], missing={"emb": 0, "loss": -1})
+    assert got["loss"].tolist() == [-1.0, 1.5] and got["emb"][0].tolist() == [0, 0, 0, 0]
+    assert store.get([9], ["loss"], missing=float("nan"))["loss"].isnan().all()
+    assert list(store.get([3], ["loss"])) == ["loss"]
+    with pytest.raises(ValueError, match="not in the store"):
+        store.get([3], ["nope"])
+    assert 3 in store and 4 not in store
+
+
+def test_schema_is_required_to_create_and_checked_on_open(tmp_path):
+    with pytest.raises(ValueError, match="needs a schema"):
+        FeatureStore(tmp_path / "a", create=True)
+    with pytest.raises(NotFoundError):
+        FeatureStore(tmp_path / "nothing")
+    FeatureStore(tmp_path / "a", SCHEMA, create=True)
+    assert FeatureStore(tmp_path / "a").schema["emb"].shape == (4,)
+    with pytest.raises(ValueError, match="differs"):
+        FeatureStore(tmp_path / "a", {"emb": ((5,), torch.float16)})
+    with pytest.raises(FormatError):
+        FeatureStore(tmp_path / "a", {"emb": ((5,), torch.float16)}, create=True)
+    with pytest.raises(ValueError, match="dtype"):
+        FeatureStore(tmp_path / "b", {"x": ((1,), "float")}, create=True)
+    w = FeatureStore(tmp_path / "a").writer()
+    with pytest.raises(ValueError, match="every column"):
+        w.write([1], emb=torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="shape"):
+        w.write([1, 2], emb=torch.zeros(1, 4), loss=torch.zeros(1))
+
+
+# --- round trips ---------------------------------------------------------------------------------
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
+          torch.int64, torch.uint8, torch.bool, torch.complex64]
+
+
+def _random(shape, dtype, rng):
+    n = int(np.prod(shape, dtype=np.int64))
+    if n == 0:
+        return torch.zeros(shape, dtype=dtype)
+    t = torch.from_numpy(rng.integers(0, 256, size=n * dtype.itemsize, dtype=np.uint8)).view(dtype).reshape(shape)
+    if dtype.is_floating_point or dtype.is_complex:
+        t = torch.nan_to_num(t)
+    return (t != 0) if dtype == torch.bool else t
+
+
+def _bytes(t):
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(columns=st.dictionaries(st.sampled_from(["a", "b", "c"]),
+                               st.tuples(st.lists(st.integers(0, 3), max_size=3), st.sampled_from(DTYPES)),
+                               min_size=1, max_size=3),
+       batches=st.lists(st.lists(st.integers(-2**63, 2**63 - 1), max_size=20), min_size=1, max_size=3),
+       shard_size=st.sampled_from([1, 256, 1 << 20]), seed=st.integers(0, 2**32 - 1))
+def test_round_trip_over_dtypes_and_shapes(columns, batches, shard_size, seed):
+    rng = np.random.default_rng(seed)
+    schema = {k: (tuple(shape), dt) for k, (shape, dt) in columns.items()}
+    with tempfile.TemporaryDirectory() as d:
+        store = FeatureStore(d, schema, create=True)
+        want: dict[int, dict] = {}
+        for commit, ids in enumerate(batches):
+            w = store.writer(shard_size=shard_size)
+            rows = {k: _random((len(ids), *shape), dt, rng) for k, (shape, dt) in schema.items()}
+            w.write(ids, **rows)
+            for j, i in enumerate(ids):
+                want[i] = {k: v[j] for k, v in rows.items()}
+            assert w.commit() == commit + 1
+        keys = list(want)
+        rng.shuffle(keys)
+        got = store.get(keys)
+        assert len(store) == len(want)
+        for k, (shape, dt) in schema.items():
+            assert got[k].dtype == dt and tuple(got[k].shape) == (len(keys), *shape)
+            for j, i in enumerate(keys):
+                assert _bytes(got[k][j]) == _bytes(want[i][k])
+
+
+def test_every_file_opens_with_the_official_safetensors_reader(store):
+    w = store.writer(shard_size=100)
+    for k in range(3):
+        w.write(np.arange(k * 10, k * 10 + 10), **_rows(np.arange(k * 10, k * 10 + 10)))
+    w.commit()
+    m = store._snap.manifest
+    for entry in (*m.shards, m.index):
+        tensors = safetensors.numpy.load_file(os.path.join(store.path, entry.file))
+        assert len(tensors["id"]) == entry.rows
+    shard = safetensors.numpy.load_file(os.path.join(store.path, m.shards[0].file))
+    assert shard["emb"].dtype == np.float16 and shard["emb"].shape == (len(shard["id"]), 4)
+
+
+# --- hostile files -------------------------------------------------------------------------------
+@pytest.fixture
+def written(store):
+    with store.writer() as w:
+        w.write(np.arange(50), **_rows(np.arange(50)))
+    return store
+
+
+def _manifest(store):
+    path = os.path.join(store.path, "versions", "v-00000001.json")
+    with open(path) as f:
+        return path, json.load(f)
+
+
+def _lie(store, **changes):
+    path, doc = _manifest(store)
+    for k, v in changes.items():
+        doc[k] = v
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+
+def test_truncated_shard_raises_corrupt_shard_error(written):
+    shard = os.path.join(written.path, written._snap.manifest.shards[0].file)
+    os.truncate(shard, os.path.getsize(shard) - 7)
+    with pytest.raises(CorruptShardError, match="truncated") as e:
+        FeatureStore(written.path).get([1])
+    assert e.value.path == shard
+
+
+def test_truncated_index_raises_corrupt_shard_error(written):
+    index = os.path.join(written.path, written._snap.manifest.index.file)
+    os.truncate(index, 100)
+    with pytest.raises(CorruptShardError, match="truncated"):
+        FeatureStore(written.path)
+
+
+@pytest.mark.parametrize("lie", [
+    {"rows": 51},  # more rows than the index holds
+    {"shards": [{"file": "shards/../../../etc/passwd.safetensors", "bytes": 10, "rows": 50, "digest": ""}]},
+    {"shards": [{"file": "/etc/x.safetensors", "bytes": 10, "rows": 50, "digest": ""}]},
+    {"shards": "all"},
+    {"version": 2},
+    {"parent": 5},
+    {"format": "something else"},
+    {"schema": {"emb": {"shape": [4], "dtype": "F99"}}},
+    {"index": None},
+])
+def test_lying_manifest_raises_format_error(written, lie):
+    _lie(written, **lie)
+    with pytest.raises(FormatError):
+        FeatureStore(written.path).get([1])
+
+
+def test_manifest_rows_and_shard_headers_must_agree(written):
+    _, doc = _manifest(written)
+    doc["shards"][0]["rows"] = 60  # the shard holds 50
+    doc["rows"] = 50
+    _lie(written, **doc)
+    with pytest.raises(CorruptShardError, match="should be"):
+        FeatureStore(written.path).get([1])
+    _lie(written, shards=[{**doc["shards"][0], "rows": 50, "bytes": doc["shards"][0]["bytes"] + 1}])
+    with pytest.raises(CorruptShardError, match="manifest says"):
+        FeatureStore(written.path).get([1])
+
+
+def test_garbage_manifest_and_index_raise_typed_errors(written):
+    path, _ = _manifest(written)
+    with open(path, "wb") as f:
+        f.write(b"{not json")
+    with pytest.raises(FormatError, match="JSON"):
+        FeatureStore(written.path)
+
+
+def test_lying_index_raises_corrupt_shard_error_not_an_out_of_bounds_read(tmp_path, written):
+    from torchforge.features.index import write_index
+    from torchforge.features.writer import file_digest
+
+    m = written._snap.manifest
+    index = os.path.join(written.path, m.index.file)
+    ids = np.arange(50)
+    write_index(index, ids, np.zeros(50, np.int32), np.full(50, 10**9))  # rows far outside the shard
+    _lie(written, index={**m.index.to_json(), "bytes": os.path.getsize(index), "digest": file_digest(index)})
+    with pytest.raises(CorruptShardError, match="row 1000000000"):
+        FeatureStore(written.path).get([3])
+    write_index(index, ids, np.full(50, 9, np.int32), np.zeros(50))  # a shard the manifest lacks
+    _lie(written, index={**m.index.to_json(), "bytes": os.path.getsize(index), "digest": file_digest(index)})
+    with pytest.raises(CorruptShardError, match="shard 9"):
+        FeatureStore(written.path).get([3])
+
+
+# --- loader, shared memory, join -----------------------------------------------------------------
+class _Recorder:
+    def __init__(self):
+        self.blocks = []
+
+    def alloc(self, n):
+        a = np.empty(n, np.uint8)
+        self.blocks.append(a)
+        return a
+
+
+def test_get_allocates_its_output_with_the_loader_arena(written):
+    arena = _Recorder()
+    collate.set_arena(arena)
+    try:
+        got = written.get([4, 2, 9])
+    finally:
+        collate.set_arena(None)
+    ptrs = {b.ctypes.data for b in arena.blocks}
+    assert {t.data_ptr() for t in got.values()} <= ptrs and len(arena.blocks) == 2
+    _expect(written, [4, 2, 9])
+
+
+class _Batches(torch.utils.data.Dataset):
+    def __init__(self, store, batches):
+        self.store, self.batches = store, batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.store.get(self.batches[i])
+
+
+def test_get_in_dataloader_workers_reads_the_version_of_the_handle(written):
+    batches = [list(range(k, k + 5)) for k in range(0, 45, 5)]
+    loader = DataLoader(_Batches(written, batches), batch_size=None, num_workers=2)
+    with FeatureStore(written.path).writer() as w:  # a newer version: the workers still read version 1
+        w.write(np.arange(50), **_rows(np.arange(50), salt=1))
+    for b, got in zip(batches, loader):
+        assert torch.equal(got["loss"], _rows(b)["loss"])
+
+
+class _Samples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return {"id": 49 - i, "x": torch.tensor(i)}
+
+
+def test_join_adds_columns_lazily_in_workers(written, tmp_path, write_jinx):
+    joined = written.join(_Samples(), key="id", columns=["loss"])
+    assert joined[0]["loss"] == 24.5 and joined[0]["x"] == 0
+    batches = list(DataLoader(joined, batch_size=8, num_workers=2))
+    assert torch.equal(torch.cat([b["loss"] for b in batches]), torch.arange(49, 9, -1) * 0.5)
+    assert torch.equal(torch.cat([b["x"] for b in batches]), torch.arange(40))
+    write_jinx(tmp_path / "j", ({"id": i, "text": f"t{i}"} for i in range(60)))
+    from torchforge.datasets.jinx import JinxDataset
+
+    lazy = written.join(JinxDataset(str(tmp_path / "j")), missing={"emb": -1, "loss": -1})
+    batch = next(iter(DataLoader(lazy, batch_size=60, num_workers=1)))
+    assert batch["text"][0] == "t0" and batch["emb"].shape == (60, 4)
+    assert batch["loss"][:50].tolist() == (np.arange(50) * 0.5).tolist() and (batch["loss"][50:] == -1).all()
+    with pytest.raises(MissingIdsError):
+        written.join(JinxDataset(str(tmp_path / "j")))[55]
+
+
+def test_a_commit_that_loses_the_race_for_a_number_redoes_itself_on_top_of_the_winner(store, monkeypatch):
+    import torchforge.features.writer as writer_mod
+
+    a, b = store.writer(), store.writer()
+    a.write([1, 2], **_rows([1, 2]))
+    b.write([2, 3], **_rows([2, 3], salt=9))
+    real, calls = writer_mod.list_versions, []
+
+    def stale(root):  # a's first look at the versions happens before b's commit lands
+        calls.append(1)
+        if len(calls) == 1:
+            assert b.commit() == 1
+            return []
+        return real(root)
+
+    monkeypatch.setattr(writer_mod, "list_versions", stale)
+    assert a.commit() == 2
+    assert len(os.listdir(os.path.join(store.path, "index"))) == 2  # the losing attempt's index is gone
+    _expect(store, [1, 2])  # a committed last: its row for 2 wins
+    _expect(store, [3], salt=9)  # b's rows are not lost

@@ -1,0 +1,104 @@
+"""Join a dataset with a feature store: each sample gains the store's columns for its id.
+
+:class:`JoinedDataset` reads nothing when it is made: the store handle it holds pickles as a path and
+a version, so each DataLoader worker maps the store itself and every worker reads the same version.
+The loader fetches a batch through ``__getitems__``: the samples of the batch come from the dataset
+(through its own ``__getitems__`` where it has one), then one :meth:`FeatureStore.get` reads the
+columns for all their ids at once, and each sample gets its row as a view of that gather.
+
+A plain dict sample becomes a new dict with the columns added; any other mapping (a lazy sample) is
+wrapped in a read-only mapping that serves the columns and leaves the sample's own fields lazy.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch.utils.data
+
+from torchforge.errors import TorchforgeError
+
+__all__ = ["JoinedDataset"]
+
+
+class JoinedSample(Mapping):
+    """A read-only mapping: the store's columns, then the sample's own fields (left lazy)."""
+
+    __slots__ = ("extra", "sample")
+
+    def __init__(self, sample: Mapping, extra: dict[str, Any]):
+        self.sample = sample
+        self.extra = extra
+
+    def __getitem__(self, k: str) -> Any:
+        if k in self.extra:
+            return self.extra[k]
+        return self.sample[k]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.sample
+        for k in self.extra:
+            if k not in self.sample:
+                yield k
+
+    def __len__(self) -> int:
+        return len(self.sample) + sum(k not in self.sample for k in self.extra)
+
+    def materialize(self) -> dict[str, Any]:
+        m = getattr(self.sample, "materialize", None)
+        base = m() if callable(m) else dict(self.sample)
+        return {**base, **self.extra}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (dict, (self.materialize(),))
+
+
+class JoinedDataset(torch.utils.data.Dataset):
+    """``dataset`` with each sample gaining ``store``'s columns for ``sample[key]``.
+
+    Args:
+        dataset: a map-style dataset of mapping samples (any torchforge dataset).
+        store: the FeatureStore (its version is the one read, in every worker).
+        key: the sample field holding the int64 id.
+        columns: the store columns added (default: all); they replace sample fields of the same name.
+        missing: as in :meth:`FeatureStore.get`: None raises MissingIdsError for ids not in the store.
+
+    >>> loader = DataLoader(store.join(JinxDataset("data"), key="id"), batch_size=64)  # doctest: +SKIP
+    """
+
+    def __init__(self, dataset: Any, store: Any, *, key: str = "id", columns: Iterable[str] | None = None,
+                 missing: Any = None):
+        self.dataset = dataset
+        self.store = store
+        self.key = key
+        self.columns = list(store.schema) if columns is None else list(columns)
+        unknown = [c for c in self.columns if c not in store.schema]
+        if unknown:
+            raise ValueError(f"columns {unknown} are not in the store; it has {sorted(store.schema)}")
+        self.missing = missing
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        many = getattr(self.dataset, "__getitems__", None)
+        samples = many(list(indices)) if many is not None else [self.dataset[i] for i in indices]
+        ids = []
+        for s in samples:
+            if not isinstance(s, Mapping) or self.key not in s:
+                raise TorchforgeError(f"join needs mapping samples with an id field {self.key!r}; got a "
+                                      f"{type(s).__name__}" + (f" with fields {sorted(s)[:10]}"
+                                                               if isinstance(s, Mapping) else ""))
+            ids.append(int(s[self.key]))
+        got = self.store.get(ids, self.columns, missing=self.missing)
+        out = []
+        for j, s in enumerate(samples):
+            extra = {c: got[c][j] for c in self.columns}
+            out.append({**s, **extra} if type(s) is dict else JoinedSample(s, extra))
+        return out
+
+    def __repr__(self) -> str:
+        return f"JoinedDataset({self.dataset!r}, {self.store!r}, key={self.key!r}, columns={self.columns})"

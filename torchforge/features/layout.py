@@ -1,0 +1,304 @@
+"""A feature store's folder: the schema, version manifests, and the lock-free claim of a version number.
+
+Layout of a store at ``path``::
+
+    schema.json                         {"format": "torchforge-feature-store", "format_version": 1,
+                                         "columns": {"emb": {"shape": [768], "dtype": "F16"}, ...}}
+    shards/<writer>-<n>.safetensors     rows one writer wrote: "id" (I64 [rows]) + one tensor per column
+    index/<writer>-<commit>-<try>.safetensors   a version's merged id index (see index.py)
+    versions/v-00000001.json            one manifest per version (the schema, every shard the version
+                                        reads with its size, row count and digest, and its index file)
+
+Every file is written under a temporary name ``.tmp-<host>-<pid>-...`` and only ever named by a
+manifest once it is complete and fsynced; a manifest itself appears with ``os.link`` from a complete,
+fsynced temporary file, which fails with EEXIST when another committer claimed that number first. So
+the highest ``v-N.json`` is always whole, no two commits get one number, and no lock exists between
+writers. Files nobody names (a writer killed before ``commit()``) are ignored by readers and can be
+removed by :func:`stale_temp_files` users once their process is gone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchforge.errors import FormatError, NotFoundError
+from torchforge.formats.safetensors import DTYPES, fsync_dir
+
+__all__ = ["FORMAT", "Column", "Manifest", "ShardEntry", "claim_version", "list_versions", "read_manifest",
+           "read_schema", "schema_from_user", "temp_name", "write_schema"]
+
+FORMAT = "torchforge-feature-store"
+FORMAT_VERSION = 1
+SCHEMA_FILE = "schema.json"
+SHARDS, INDEX, VERSIONS = "shards", "index", "versions"
+DIGEST = "blake2b128-of-4KiB-page-sum64"  # the checkpoint's block digest (torchforge.checkpoint.writer.BlockDigest)
+MAX_JSON = 256 << 20  # bytes of a schema or manifest file read at most
+_VERSION_RE = re.compile(r"v-(\d{8,})\.json")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]+\.safetensors")
+# dtype codes a column may have: whole bytes per value and a torch dtype
+_CODES = {code: dt for code, (bits, dt) in DTYPES.items() if dt is not None and bits % 8 == 0}
+_CODE_OF = {dt: code for code, dt in _CODES.items()}
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column: the per-row shape and dtype (``code`` is the safetensors dtype code)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def code(self) -> str:
+        return _CODE_OF[self.dtype]
+
+    @property
+    def row_bytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+Schema = dict[str, Column]
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """A shard as a manifest lists it (``file`` relative to the store)."""
+
+    file: str
+    bytes: int
+    rows: int
+    digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "bytes": self.bytes, "rows": self.rows, "digest": self.digest}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One version: its number, parent, schema, shards (index order = the index's shard numbers) and
+    index file entry (None for a version without rows)."""
+
+    version: int
+    parent: int
+    schema: Schema
+    shards: tuple[ShardEntry, ...]
+    index: ShardEntry | None
+    rows: int
+    writer: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, "version": self.version,
+                "parent": self.parent, "rows": self.rows, "schema": schema_to_json(self.schema),
+                "index": None if self.index is None else self.index.to_json(),
+                "shards": [s.to_json() for s in self.shards], "writer": self.writer}
+
+
+# --- schema ------------------------------------------------------------------------------------------
+def schema_from_user(schema: Any) -> Schema:
+    """Check ``{"name": (shape, dtype)}`` at the API boundary and return it as Columns."""
+    if not isinstance(schema, dict) or not schema:
+        raise ValueError(f"schema must be a non-empty dict of name -> (shape, dtype), got {schema!r}")
+    out: Schema = {}
+    for name, spec in schema.items():
+        _check_name(name, ValueError)
+        if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+            raise ValueError(f"schema[{name!r}]={spec!r} must be a (shape, dtype) pair such as ((768,), "
+                             "torch.float16)")
+        shape, dtype = spec
+        if isinstance(shape, int):
+            shape = (shape,)
+        if not isinstance(shape, (tuple, list, torch.Size)) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise ValueError(f"schema[{name!r}] shape {shape!r} must be a tuple of ints >= 0")
+        if dtype not in _CODE_OF:
+            raise ValueError(f"schema[{name!r}] dtype {dtype!r} is not one of "
+                             f"{sorted(str(d).removeprefix('torch.') for d in _CODE_OF)}")
+        out[name] = Column(tuple(shape), dtype)
+    return out
+
+
+def _check_name(name: Any, exc: type[Exception], path: str | None = None) -> None:
+    if not isinstance(name, str) or not name or name == "id" or name.startswith("__"):
+        msg = f"column name {name!r} must be a non-empty str other than 'id' and not starting with '__'"
+        raise exc(msg, path=path) if path is not None else exc(msg)
+
+
+def schema_to_json(schema: Schema) -> dict[str, Any]:
+    return {name: {"shape": list(c.shape), "dtype": c.code} for name, c in schema.items()}
+
+
+def schema_from_json(doc: Any, path: str) -> Schema:
+    if not isinstance(doc, dict) or not doc:
+        raise FormatError("the schema must be a non-empty JSON object of columns", path=path)
+    out: Schema = {}
+    for name, c in doc.items():
+        _check_name(name, FormatError, path)
+        if not isinstance(c, dict) or c.get("dtype") not in _CODES or not isinstance(c.get("shape"), list) \
+                or not all(type(d) is int and 0 <= d < 2**40 for d in c["shape"]):
+            raise FormatError(f"column {name!r}: {c!r} is not {{'shape': [ints], 'dtype': one of "
+                              f"{sorted(_CODES)}}}", path=path)
+        out[name] = Column(tuple(c["shape"]), _CODES[c["dtype"]])
+    return out
+
+
+def read_schema(root: str) -> Schema:
+    path = os.path.join(root, SCHEMA_FILE)
+    doc = _read_json(path)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise FormatError(f"not a feature store schema (expected \"format\": {FORMAT!r})", path=path)
+    return schema_from_json(doc.get("columns"), path)
+
+
+def write_schema(root: str, schema: Schema) -> None:
+    """Create ``schema.json`` once (exclusively); an existing one must hold the same schema."""
+    path = os.path.join(root, SCHEMA_FILE)
+    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "columns": schema_to_json(schema)}
+    if not os.path.exists(path):
+        tmp = _write_temp(root, "schema", doc)
+        try:
+            os.link(tmp, path)
+            fsync_dir(root)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    have = read_schema(root)
+    if have != schema:
+        raise FormatError(f"the store has schema {schema_to_json(have)}, not the {schema_to_json(schema)} "
+                          "given; open it without a schema or create a new store", path=path)
+
+
+# --- manifests ---------------------------------------------------------------------------------------
+def version_path(root: str, version: int) -> str:
+    return os.path.join(root, VERSIONS, f"v-{version:08d}.json")
+
+
+def list_versions(root: str) -> list[int]:
+    """Every claimed version number, ascending (a claimed manifest is always complete)."""
+    try:
+        names = os.listdir(os.path.join(root, VERSIONS))
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for m in map(_VERSION_RE.fullmatch, names) if m)
+
+
+def _entry(doc: Any, folder: str, path: str, what: str) -> ShardEntry:
+    if not isinstance(doc, dict):
+        raise FormatError(f"{what} entry {doc!r} is not an object", path=path)
+    file, size, rows, digest = doc.get("file"), doc.get("bytes"), doc.get("rows"), doc.get("digest")
+    if not isinstance(file, str) or not file.startswith(folder + "/") \
+            or not _NAME_RE.fullmatch(file[len(folder) + 1:]) or file.endswith("/..") or "/." in file:
+        raise FormatError(f"{what} file {file!r} is not a safetensors file name inside {folder}/", path=path)
+    if type(size) is not int or size < 8 or type(rows) is not int or rows < 0 or not isinstance(digest, str):
+        raise FormatError(f"{what} {file!r}: bytes={size!r}, rows={rows!r}, digest={digest!r} are not "
+                          "ints >= 0 and a string", path=path)
+    return ShardEntry(file, size, rows, digest)
+
+
+def read_manifest(root: str, version: int) -> Manifest:
+    """The manifest of ``version``, checked field by field (FormatError names the file and field)."""
+    path = version_path(root, version)
+    if not os.path.exists(path):
+        have = list_versions(root)
+        raise NotFoundError(f"version {version} does not exist (the store has "
+                            f"{f'versions 1..{have[-1]}' if have else 'no version yet'})", path=path)
+    doc = _read_json(path)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise FormatError(f"not a feature store manifest (expected \"format\": {FORMAT!r})", path=path)
+    if doc.get("version") != version:
+        raise FormatError(f"manifest says version {doc.get('version')!r} but is named for {version}", path=path)
+    parent, rows = doc.get("parent"), doc.get("rows")
+    if type(parent) is not int or not 0 <= parent < version or type(rows) is not int or rows < 0:
+        raise FormatError(f"parent={parent!r} and rows={rows!r} must be ints, 0 <= parent < {version}",
+                          path=path)
+    shards = doc.get("shards")
+    if not isinstance(shards, list):
+        raise FormatError("\"shards\" must be a list", path=path)
+    entries = tuple(_entry(s, SHARDS, path, "shard") for s in shards)
+    index = None if doc.get("index") is None else _entry(doc["index"], INDEX, path, "index")
+    if (index is None) != (rows == 0):
+        raise FormatError(f"a version of {rows} rows must {'' if rows else 'not '}have an index", path=path)
+    if sum(s.rows for s in entries) < rows:
+        raise FormatError(f"the manifest claims {rows} rows but its shards hold "
+                          f"{sum(s.rows for s in entries)}", path=path)
+    writer = doc.get("writer") if isinstance(doc.get("writer"), dict) else {}
+    return Manifest(version, parent, schema_from_json(doc.get("schema"), path), entries, index, rows, writer)
+
+
+def claim_version(root: str, manifest: Manifest) -> bool:
+    """Publish ``manifest`` as ``versions/v-N.json`` if N is still free; False if another commit has it."""
+    tmp = _write_temp(os.path.join(root, VERSIONS), f"v-{manifest.version}", manifest.to_json())
+    try:
+        os.link(tmp, version_path(root, manifest.version))
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+    fsync_dir(os.path.join(root, VERSIONS))
+    return True
+
+
+# --- files -------------------------------------------------------------------------------------------
+def temp_name(folder: str, stem: str, suffix: str = "") -> str:
+    """A temporary file name in ``folder`` that says who made it: ``.tmp-<host>-<pid>-<stem>-<rand>``."""
+    host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:32]
+    return os.path.join(folder, f".tmp-{host}-{os.getpid()}-{stem}-{uuid.uuid4().hex[:8]}{suffix}")
+
+
+def stale_temp_files(root: str) -> list[str]:
+    """Temporary files under ``root`` left by processes of this host that no longer run."""
+    host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:32]
+    pat = re.compile(rf"\.tmp-{re.escape(host)}-(\d+)-")
+    out = []
+    for sub in (SHARDS, INDEX, VERSIONS, ""):
+        folder = os.path.join(root, sub)
+        for name in os.listdir(folder) if os.path.isdir(folder) else ():
+            m = pat.match(name)
+            if m and not _alive(int(m.group(1))):
+                out.append(os.path.join(folder, name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_temp(folder: str, stem: str, doc: Any) -> str:
+    tmp = temp_name(folder, stem, ".json")
+    data = json.dumps(doc, indent=1).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return tmp
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_JSON + 1)
+    except FileNotFoundError:
+        raise NotFoundError("no such file: not a feature store (or not one yet)", path=path) from None
+    if len(data) > MAX_JSON:
+        raise FormatError(f"larger than the {MAX_JSON}-byte limit of a schema or manifest", path=path)
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise FormatError(f"not valid JSON: {e}", path=path, offset=getattr(e, "pos", None)) from None
