@@ -442,3 +442,22 @@ def test_a_commit_that_loses_the_race_for_a_number_redoes_itself_on_top_of_the_w
     assert len(os.listdir(os.path.join(store.path, "index"))) == 2  # the losing attempt's index is gone
     _expect(store, [1, 2])  # a committed last: its row for 2 wins
     _expect(store, [3], salt=9)  # b's rows are not lost
+
+
+# --- command line --------------------------------------------------------------------------------
+def test_cli_inspect_and_verify_understand_a_store(written, capsys):
+    from torchforge.cli import main
+
+    assert main(["inspect", written.path]) == 0
+    out = capsys.readouterr().out
+    assert "format: feature-store" in out and "rows: 50" in out and "emb: float16 [4]" in out
+    assert main(["verify", written.path]) == 0
+    assert "50 samples decoded, 0 problems" in capsys.readouterr().out
+    shard = os.path.join(written.path, written._snap.manifest.shards[0].file)
+    with open(shard, "r+b") as f:  # flip a byte of the data: same size, header intact
+        f.seek(os.path.getsize(shard) - 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert main(["verify", written.path]) == 1
+    assert "digest" in capsys.readouterr().out

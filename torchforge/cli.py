@@ -112,7 +112,9 @@ def _dataset_info(path: str) -> dict[str, Any]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    info = _dataset_info(args.path)
+    from torchforge.features.inspect import is_store, store_info  # a feature store is a folder of its own
+
+    info = store_info(args.path) if is_store(args.path) else _dataset_info(args.path)
     if args.json:
         print(json.dumps(info, indent=1, default=str))
         return 0
@@ -139,7 +141,10 @@ def verify_dataset(path: str) -> tuple[int, list[str]]:
         (samples checked, problems), each problem naming the file and byte offset.
     """
     from torchforge.datasets.base import open_dataset
+    from torchforge.features.inspect import is_store, verify_store
 
+    if is_store(path):  # a feature store: every version's manifest, digests and index
+        return verify_store(path)
     problems: list[str] = []
     try:
         ds = open_dataset(path)

@@ -1,0 +1,88 @@
+"""``torchforge inspect`` and ``torchforge verify`` on a feature store (the CLI's detection branch calls
+:func:`is_store`, then :func:`store_info` or :func:`verify_store`)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from torchforge.errors import CorruptShardError, TorchforgeError
+from torchforge.features.index import IdIndex, _directory
+from torchforge.features.layout import SCHEMA_FILE, VERSIONS, list_versions, read_manifest
+from torchforge.features.reader import _Shard
+from torchforge.features.store import FeatureStore
+from torchforge.features.writer import file_digest
+
+__all__ = ["is_store", "store_info", "verify_store"]
+
+
+def is_store(path: str) -> bool:
+    """A folder with a feature store's ``schema.json`` and ``versions/``."""
+    return os.path.isfile(os.path.join(path, SCHEMA_FILE)) and os.path.isdir(os.path.join(path, VERSIONS))
+
+
+def store_info(path: str) -> dict[str, Any]:
+    """What ``inspect`` prints: the newest version, its rows, columns and files."""
+    store = FeatureStore(path)
+    m = store._snap.manifest
+    files = ([m.index] if m and m.index else []) + list(m.shards if m else [])
+    ids = store.ids()
+    return {
+        "path": path,
+        "format": "feature-store",
+        "version": store.version,
+        "versions": len(list_versions(store.path)),
+        "rows": len(store),
+        "id range": [int(ids[0]), int(ids[-1])] if len(ids) else None,
+        "columns": {k: f"{str(c.dtype).removeprefix('torch.')} {list(c.shape)}" for k, c in store.schema.items()},
+        "files": len(files),
+        "bytes": sum(f.bytes for f in files),
+        "shards": [{"file": f.file, "bytes": f.bytes} for f in files],
+    }
+
+
+def verify_store(path: str) -> tuple[int, list[str]]:
+    """Check every version: manifests, shard and index sizes, headers and digests, and that each index
+    is sorted, unique, in range and agrees with its bucket directory. Returns (rows checked, problems)."""
+    problems: list[str] = []
+    checked = 0
+    try:
+        store = FeatureStore(path)
+        versions = list_versions(store.path)
+    except TorchforgeError as e:
+        return 0, [str(e)]
+    digests: dict[str, str] = {}
+    for v in versions:
+        try:
+            m = read_manifest(store.path, v)
+            for entry in (*m.shards, *([m.index] if m.index else [])):
+                f = os.path.join(store.path, entry.file)
+                if entry.file not in digests:
+                    if entry in m.shards:
+                        _Shard(store.path, entry, m.schema)  # size, header, tensors against the schema
+                    digests[entry.file] = file_digest(f) if os.path.isfile(f) else "missing"
+                if digests[entry.file] != entry.digest:
+                    problems.append(str(CorruptShardError(f"version {v}: digest {digests[entry.file]} differs "
+                                                          f"from the manifest's {entry.digest}", path=f)))
+            if m.index is not None:
+                _check_index(IdIndex(os.path.join(store.path, m.index.file), m.index.rows, m.index.bytes),
+                             [s.rows for s in m.shards])
+            checked += m.rows
+        except TorchforgeError as e:
+            problems.append(f"version {v}: {e}")
+    return checked, problems
+
+
+def _check_index(idx: IdIndex, shard_rows: list[int]) -> None:
+    ids, sh, row = idx.ids, idx.shard, idx.row
+    if len(ids) > 1 and not (ids[1:] > ids[:-1]).all():
+        raise CorruptShardError("ids are not strictly increasing", path=idx.path)
+    if len(sh) and (sh.min() < 0 or sh.max() >= len(shard_rows)):
+        raise CorruptShardError(f"shard numbers outside 0..{len(shard_rows) - 1}", path=idx.path)
+    if len(row) and ((row < 0).any() or (row >= np.asarray(shard_rows, np.int64)[sh]).any()):
+        raise CorruptShardError("rows outside their shard", path=idx.path)
+    if len(ids):
+        d, base, shift, steps = _directory(np.asarray(ids))
+        if not np.array_equal(d, idx.dir) or (base, shift) != (idx.base, idx.shift) or steps > idx.steps:
+            raise CorruptShardError("the bucket directory disagrees with the ids", path=idx.path)
