@@ -285,12 +285,16 @@ def test_background_failure_is_raised_by_wait(tmp_path, monkeypatch):
 
 
 def test_leftovers_of_dead_writers_are_invisible_and_cleaned(tmp_path):
-    dead = tmp_path / ".tmp-step-00000009-999999999-abcdef01"
+    from torchforge.checkpoint.distributed import host_name, tmp_name
+
+    dead = tmp_path / tmp_name(9, pid=999999999)
     dead.mkdir()
     (dead / "model-00001-of-00001.safetensors").write_bytes(b"partial")
     (tmp_path / ".trash-step-00000001-12345678").mkdir()
+    other_node = tmp_path / tmp_name(9, pid=999999999, host=host_name() + "x")  # another host's save
+    other_node.mkdir()
     ck = Checkpointer(tmp_path)
-    assert ck.steps() == [] and os.listdir(tmp_path) == []
+    assert ck.steps() == [] and os.listdir(tmp_path) == [other_node.name]  # never another node's folder
 
 
 def test_every_dtype_and_shared_views_in_extra(tmp_path):

@@ -132,7 +132,7 @@ def test_save_killed_at_each_point_leaves_previous_steps_and_no_partial_step(cra
 
     # what the crash left in the folder: exactly these names at each point
     names = sorted(os.listdir(root))
-    tmps = [n for n in names if re.fullmatch(r"\.tmp-step-00000003-\d+-[0-9a-f]{8}", n)]
+    tmps = [n for n in names if re.fullmatch(r"\.tmp-step-00000003-h\w+-p\d+-[0-9a-f]{8}", n)]
     trash = [n for n in names if re.fullmatch(r"\.trash-step-00000001-[0-9a-f]{8}", n)]
     if point in BEFORE_COMMIT:
         assert len(tmps) == 1 and names == sorted(tmps + ["step-00000001", "step-00000002"]), names

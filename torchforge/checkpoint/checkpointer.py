@@ -12,6 +12,7 @@ from typing import Any, Self
 
 import torch
 
+from torchforge.checkpoint import distributed
 from torchforge.checkpoint.state import (
     TensorTable,
     decode,
@@ -52,10 +53,17 @@ class Checkpointer:
         direct_io: write large files with ``O_DIRECT`` (Linux; falls back to buffered writes where the
             filesystem refuses it). Faster on fast disks and it leaves the page cache to training, but the
             files are not in the page cache afterwards. False writes through the page cache.
+        timeout: under torch.distributed, how long (seconds) a rank waits for the others' part of a save
+            before it raises :class:`CheckpointError` (a rank that died mid-save never hangs the others).
+
+    Under an initialized process group (gloo or nccl), ``save`` and ``restore`` are called on every rank
+    and take the distributed path (:mod:`torchforge.checkpoint.distributed`): each rank writes its own
+    slices, one rank commits, and a step restores at any world size, or in a plain process. ``root``
+    must then be one folder every rank sees (a shared filesystem).
     """
 
     def __init__(self, root: str | os.PathLike, keep_last: int | None = 3, max_shard_size: int | str = "2GB",
-                 *, threads: int | None = None, direct_io: bool = True):
+                 *, threads: int | None = None, direct_io: bool = True, timeout: float = 600.0):
         self.root = os.path.abspath(os.fspath(root))
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 0):
             raise ValueError(f"keep_last={keep_last!r} must be None or an int >= 0")
@@ -63,6 +71,8 @@ class Checkpointer:
         self.max_shard_size = parse_size(max_shard_size, option="max_shard_size")
         os.makedirs(self.root, exist_ok=True)
         self.direct_io = bool(direct_io)
+        self.timeout = float(timeout)
+        self.last_restore: dict[str, int] = {}  # bytes read and needed by the last distributed restore
         self._pool = ThreadPoolExecutor(threads or 8,
                                         thread_name_prefix="torchforge-ckpt")
         self._flusher = ThreadPoolExecutor(1, thread_name_prefix="torchforge-ckpt-flush")
@@ -95,14 +105,19 @@ class Checkpointer:
     # --- saving --------------------------------------------------------------------------------------
     def save(self, step: int, *, model: torch.nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None, extra: Any = None,
-             blocking: bool = True) -> None:
+             rank_state: Any = None, loader: Any = None, blocking: bool = True) -> None:
         """Save a step (replacing an existing folder of the same step).
 
         Args:
             step: the step number (an int >= 0).
             model: its ``state_dict()`` tensors are saved; tied tensors once.
             optimizer: its ``state_dict()``: tensors in safetensors shards, the rest in ``state.json``.
-            extra: any nesting of dicts, lists, tuples, numbers, strings, None and tensors.
+            extra: any nesting of dicts, lists, tuples, numbers, strings, None and tensors. Under
+                torch.distributed it is global state: rank 0's is saved.
+            rank_state: under torch.distributed, this rank's own state (RNG states, counters; the same
+                kinds of values as ``extra``), saved per rank; see :meth:`rank_state`.
+            loader: a torchforge DataLoader whose ``state_dict()`` is saved (per rank under
+                torch.distributed); ``restore(loader=...)`` resumes it.
             blocking: False copies the state into CPU memory (pinned if CUDA is present), returns, and
                 writes in a background thread; the model may change as soon as this returns. CPU tensors
                 are copied before returning; GPU tensors are copied on a side stream that the current
@@ -116,7 +131,14 @@ class Checkpointer:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step={step!r} must be an int >= 0")
         self.wait()
-        files, state = self._plan(step, model, optimizer, extra)
+        if distributed.active():
+            if not blocking:
+                raise CheckpointError("blocking=False is not supported under torch.distributed yet: save with "
+                                      "blocking=True", path=self.root)
+            distributed.save_distributed(self, step, model, optimizer, extra, rank_state, loader)
+            return
+        files, state = self._plan(step, model, optimizer, extra, rank_state,
+                                  loader.state_dict() if loader is not None else None)
         staged = not blocking or any(t.device.type != "cpu" for f in files for _, t in f.parts)
         pending: list[Any] = []  # CUDA events of snapshot copies still running (non-blocking saves)
         if staged:
@@ -160,7 +182,8 @@ class Checkpointer:
         except BaseException as e:  # noqa: BLE001 - kept for wait()/the next save(), which re-raise it
             self._error = e
 
-    def _plan(self, step: int, model: Any, optimizer: Any, extra: Any) -> tuple[list[FilePlan], dict]:
+    def _plan(self, step: int, model: Any, optimizer: Any, extra: Any, rank_state: Any = None,
+              loader_state: Any = None) -> tuple[list[FilePlan], dict]:
         tables = {g: TensorTable() for g in GROUPS}
         state: dict[str, Any] = {"format": _FORMAT, "version": 1, "step": step}
         if model is not None:
@@ -169,6 +192,10 @@ class Checkpointer:
         if optimizer is not None:
             state["optimizer"] = encode(optimizer.state_dict(), "", tables["optimizer"])
         state["extra"] = encode(extra, "", tables["extra"])
+        if rank_state is not None:
+            state["rank_state"] = encode(rank_state, "__rank_state__", tables["extra"])
+        if loader_state is not None:
+            state["loader"] = encode(loader_state, "__loader__", tables["extra"])
         files: list[FilePlan] = []
         for g in GROUPS:
             present = bool(tables[g].tensors) if g == "extra" else g in state
@@ -183,7 +210,7 @@ class Checkpointer:
         return files, state
 
     def _write(self, step: int, files: list[FilePlan], state: dict) -> None:
-        tmp = os.path.join(self.root, f".tmp-step-{step:08d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tmp = os.path.join(self.root, distributed.tmp_name(step))
         os.mkdir(tmp)
         crash_point("tmp-created")
         try:
@@ -228,9 +255,12 @@ class Checkpointer:
         self._deletes.append(self._pool.submit(shutil.rmtree, trash, ignore_errors=True))
 
     def _clean_leftovers(self) -> None:
+        host = distributed.host_name()
         for name in os.listdir(self.root):
-            m = re.fullmatch(r"\.tmp-step-\d+-(\d+)-[0-9a-f]+", name)
-            if name.startswith(".trash-") or (m and not _alive(int(m.group(1)))):
+            # .tmp-step-<step>-h<host>-p<pid>-<nonce>: only this host's saves whose process is gone (another
+            # node's save in progress on a shared filesystem is never touched)
+            m = re.fullmatch(r"\.tmp-step-\d+-h(\w+)-p(\d+)-[0-9a-f]+", name)
+            if name.startswith(".trash-") or (m and m.group(1) == host and not _alive(int(m.group(2)))):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     # --- checking ------------------------------------------------------------------------------------
@@ -270,8 +300,8 @@ class Checkpointer:
 
     # --- restoring -----------------------------------------------------------------------------------
     def restore(self, step: int | None = None, *, model: torch.nn.Module | None = None,
-                optimizer: torch.optim.Optimizer | None = None, map_location: str | torch.device = "cpu",
-                verify: bool = False) -> Any:
+                optimizer: torch.optim.Optimizer | None = None, loader: Any = None,
+                map_location: str | torch.device = "cpu", verify: bool = False) -> Any:
         """Load a step into existing objects and return its ``extra``.
 
         Tensors are read through mmap and copied once, straight into the model's parameters and buffers
@@ -281,6 +311,9 @@ class Checkpointer:
             step: the step (default: the latest).
             model: copied into in place; keys and shapes must match exactly (tied parameters stay tied).
             optimizer: its param groups and state are replaced by the stored ones.
+            loader: a torchforge DataLoader saved with ``save(loader=...)``: resumed at the exact next
+                batch. A step saved by N ranks and restored by M != N ranks remaps the loader state through
+                its elastic resume (a ``GlobalSampler``), or raises CheckpointError where it cannot.
             map_location: where tensors inside ``extra`` are placed.
             verify: also re-check every checksum first (reads every byte once more); sizes and safetensors
                 headers are always checked.
@@ -288,14 +321,18 @@ class Checkpointer:
         Raises:
             CheckpointError: no such step, missing or damaged files, or state that does not fit.
         """
-        self.wait()
-        if step is None:
-            step = self.latest()
-            if step is None:
-                raise CheckpointError("no checkpoint to restore", path=self.root)
+        step = self._resolve(step)
         folder = self.path(step)
-        files = self.manifest(step)["files"]
+        manifest = self.manifest(step)
+        files = manifest["files"]
         verify_files(folder, files, checksums=verify, pool=self._pool)
+        if manifest.get("version") == distributed.VERSION:
+            try:
+                return distributed.restore_distributed(self, step, folder, manifest, model, optimizer, loader,
+                                                       map_location)
+            except OSError as e:
+                raise CheckpointError(f"step {step} cannot be read: {e.strerror}",
+                                      path=e.filename or folder) from e
         state = self._state(folder, step)
         where = os.path.join(folder, STATE)
         try:
@@ -314,10 +351,12 @@ class Checkpointer:
                     raise CheckpointError(f"{STATE} is damaged: the optimizer state is not a dict of dicts",
                                           path=where)
                 restore_optimizer(optimizer, saved, folder)
-            if "extra.safetensors.index.json" in files:
-                _, get = self._group(folder, "extra", files)
-                return _decode(state["extra"], lambda k: get(k).to(map_location, copy=True), where)
-            return _decode(state["extra"], lambda k: _missing(k, folder), where)
+            tensor = self._extra_tensors(folder, files, map_location)
+            if loader is not None:
+                if state.get("loader") is None:
+                    raise CheckpointError(f"step {step} holds no DataLoader state (save with loader=)", path=where)
+                loader.load_state_dict(_decode(state["loader"], tensor, where))
+            return _decode(state["extra"], tensor, where)
         except TorchforgeError as e:
             if isinstance(e, CheckpointError):
                 raise
@@ -325,6 +364,43 @@ class Checkpointer:
         except OSError as e:
             raise CheckpointError(f"step {step} cannot be read: {e.strerror}",
                                   path=e.filename or folder) from e
+
+    def _resolve(self, step: int | None) -> int:
+        """``step``, or the latest committed one, after any save in flight."""
+        self.wait()
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise CheckpointError("no committed checkpoint", path=self.root)
+        return step
+
+    def _extra_tensors(self, folder: str, files: Any, map_location: Any) -> Any:
+        if "extra.safetensors.index.json" in files:
+            _, get = self._group(folder, "extra", files)
+            return lambda k: get(k).to(map_location, copy=True)
+        return lambda k: _missing(k, folder)
+
+    def rank_state(self, step: int | None = None, *, map_location: str | torch.device = "cpu") -> Any:
+        """The ``rank_state`` this rank saved in ``step`` (default: the latest).
+
+        Raises:
+            CheckpointError: none was saved, or the step was saved at another world size (per-rank state
+                cannot be remapped to other ranks).
+        """
+        step = self._resolve(step)
+        folder = self.path(step)
+        manifest = self.manifest(step)
+        rank, world = distributed.rank_and_world()
+        if manifest.get("version") == distributed.VERSION:
+            return distributed.rank_state(folder, manifest, rank, world, map_location)
+        if world != 1:
+            raise CheckpointError(f"step {step} was saved by a single process; its rank_state cannot be given to "
+                                  f"rank {rank} of {world}", path=folder)
+        state = self._state(folder, step)
+        if "rank_state" not in state:
+            raise CheckpointError(f"step {step} holds no rank_state", path=os.path.join(folder, STATE))
+        return _decode(state["rank_state"], self._extra_tensors(folder, manifest["files"], map_location),
+                       os.path.join(folder, STATE))
 
     def _state(self, folder: str, step: int) -> dict[str, Any]:
         """The step's ``state.json``, checked for the structure ``restore`` relies on.

@@ -159,13 +159,9 @@ class FilePlan:
         self.views = [(0, memoryview(self.head))] + [(off, as_bytes(t)) for off, t in self.parts]
 
 
-def plan_group(prefix: str, tensors: Mapping[str, torch.Tensor], max_shard: int
-               ) -> tuple[list[FilePlan], bytes]:
-    """Split tensors into ``prefix-0000k-of-0000n.safetensors`` shards and build the HF index JSON.
-
-    Tensors are taken in order and a shard is closed when the next tensor would pass ``max_shard``
-    bytes (a larger tensor gets a shard of its own), as ``transformers`` does.
-    """
+def split_by_size(tensors: Mapping[str, torch.Tensor], max_shard: int) -> list[dict[str, torch.Tensor]]:
+    """Tensors in order, in groups closed when the next tensor would pass ``max_shard`` bytes (a larger
+    tensor gets a group of its own), as ``transformers`` shards."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     cur = 0
     for name, t in tensors.items():
@@ -175,12 +171,25 @@ def plan_group(prefix: str, tensors: Mapping[str, torch.Tensor], max_shard: int
             cur = 0
         shards[-1][name] = t
         cur += n
+    return [s for s in shards if s] or [{}]
+
+
+def file_plan(fname: str, tensors: Mapping[str, torch.Tensor]) -> tuple[FilePlan, list[tuple[str, torch.Tensor, int]]]:
+    """One safetensors file's plan, and its layout: (name, tensor, file offset of its data)."""
+    head, layout = plan(tensors)
+    size = len(head) + sum(t.numel() * t.element_size() for t in tensors.values())
+    return FilePlan(fname, head, [(off, t) for _, t, off in layout], size), layout
+
+
+def plan_group(prefix: str, tensors: Mapping[str, torch.Tensor], max_shard: int
+               ) -> tuple[list[FilePlan], bytes]:
+    """Split tensors into ``prefix-0000k-of-0000n.safetensors`` shards (:func:`split_by_size`) and build
+    the HF index JSON."""
+    shards = split_by_size(tensors, max_shard)
     files, weight_map, total = [], {}, 0
     for k, shard in enumerate(shards, 1):
         fname = f"{prefix}-{k:05d}-of-{len(shards):05d}.safetensors"
-        head, layout = plan(shard)
-        size = len(head) + sum(t.numel() * t.element_size() for t in shard.values())
-        files.append(FilePlan(fname, head, [(off, t) for _, t, off in layout], size))
+        files.append(file_plan(fname, shard)[0])
         for name, t in shard.items():
             weight_map[name] = fname
             total += t.numel() * t.element_size()

@@ -1,0 +1,285 @@
+"""Distributed checkpoints (issue 14): real gloo process groups in spawned processes, FSDP2 ``fully_shard`` on a
+CPU device mesh and DDP, uneven shapes (7x5, 1-element, 0-dim ``step``). Save at world size 2; restore at
+3, 4 and 1 (a plain process, no process group), across DDP <-> FSDP2; exact equality of every parameter and
+optimizer state tensor; training continues bitwise; bytes written and read; ranks killed mid-save."""
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from torchforge.checkpoint import Checkpointer
+from torchforge.checkpoint.writer import CRASH_AT
+from torchforge.errors import CheckpointError
+
+pytest.importorskip("torch.distributed.fsdp")
+if not dist.is_available():  # pragma: no cover
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(5, 7)  # weight 7x5: uneven over 2, 3 and 4 ranks
+        self.b = torch.nn.Linear(7, 1)  # a 1-element bias
+        self.c = torch.nn.Linear(7, 13, bias=False)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        return self.b(h) * self.scale + self.c(h).mean()
+
+
+def _build(kind: str, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = Net()
+    if kind == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(m.a, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    elif kind == "ddp":
+        m = torch.nn.parallel.DistributedDataParallel(m)
+    return m, torch.optim.AdamW(m.parameters(), lr=0.01)
+
+
+def _train(m: torch.nn.Module, opt: torch.optim.Optimizer, first: int, last: int, rank: int) -> None:
+    for s in range(first, last):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1000 * s + rank))
+        opt.zero_grad()
+        m(x).pow(2).mean().backward()
+        opt.step()
+
+
+def _full(m: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter, buffer and optimizer state tensor, whole (a collective under FSDP2)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    out = {f"model.{k}": v.detach().clone() for k, v in get_model_state_dict(m, options=opts).items()}
+    osd = get_optimizer_state_dict(m, opt, options=opts)
+    for fqn, entry in osd["state"].items():
+        for k, v in entry.items():
+            out[f"optim.{fqn}.{k}"] = v.detach().clone().reshape(v.shape)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _rank_main(rank: int, world: int, init: str, job: dict) -> None:
+    if job.get("crash_rank") == rank:
+        os.environ[CRASH_AT] = job["crash_at"]
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    result: dict = {"rank": rank}
+    try:
+        m, opt = _build(job["kind"], world)
+        ck = Checkpointer(job["root"], timeout=job.get("timeout", 60), max_shard_size=job.get("shard", "2GB"))
+        if job["phase"] == "save":
+            _train(m, opt, 0, job["steps"], rank)
+            for step in job.get("save_at", [job["steps"]]):
+                ck.save(step, model=m, optimizer=opt, extra={"epoch": 1, "t": torch.arange(3)},
+                        rank_state={"rank": rank, "rng": torch.get_rng_state()})
+        elif job["phase"] == "restore":
+            extra = ck.restore(model=m, optimizer=opt)
+            result["extra"] = [extra["epoch"], extra["t"].tolist()]
+            result["read"] = ck.last_restore
+            try:
+                result["rank_state"] = ck.rank_state()["rank"]
+            except CheckpointError as e:
+                result["rank_state_error"] = str(e)
+            _train(m, opt, job["steps"], job.get("more", job["steps"]), rank)
+        else:  # an uninterrupted run
+            _train(m, opt, 0, job["steps"], rank)
+        full = _full(m, opt)
+        if rank == 0:
+            save_file(full, os.path.join(job["out"], f"{job['name']}.safetensors"))
+        ck.close()
+    except CheckpointError as e:
+        result["error"] = str(e)
+        result["error_at"] = time.monotonic()
+    finally:
+        with open(os.path.join(job["out"], f"{job['name']}-rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        with contextlib.suppress(Exception):  # a dead peer may break the teardown
+            dist.destroy_process_group()
+
+
+def _spawn(world: int, job: dict, tmp_path, timeout: float = 240) -> list[int | None]:
+    """Run ``world`` ranks of a job in spawned processes; returns their exit codes."""
+    ctx = mp.get_context("spawn")
+    init = f"file://{tmp_path}/store-{job['name']}"
+    procs = [ctx.Process(target=_rank_main, args=(r, world, init, job)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+def _result(out, name: str, rank: int) -> dict:
+    with open(os.path.join(out, f"{name}-rank{rank}.json")) as f:
+        return json.load(f)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for k, v in a.items():
+        assert v.dtype == b[k].dtype and torch.equal(v, b[k]), k
+
+
+def _restore_plain(root: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """World size 1 in this process, no process group: a plain model."""
+    m, opt = _build("plain", 1)
+    ck = Checkpointer(root)
+    extra = ck.restore(model=m, optimizer=opt)
+    full = _full(m, opt)
+    ck.close()
+    return full, {"extra": [extra["epoch"], extra["t"].tolist()], "read": ck.last_restore}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One FSDP2 and one DDP checkpoint, saved at world size 2 after 3 steps."""
+    out = tmp_path_factory.mktemp("dist")
+    for kind in ("fsdp", "ddp"):
+        job = {"kind": kind, "phase": "save", "steps": 3, "root": str(out / f"ck-{kind}"), "out": str(out),
+               "name": f"save-{kind}"}
+        assert _spawn(2, job, out) == [0, 0]
+        assert "error" not in _result(out, job["name"], 0)
+    return out
+
+
+@pytest.mark.parametrize("saved_kind", ["fsdp", "ddp"])
+@pytest.mark.parametrize(("kind", "world"), [("fsdp", 3), ("ddp", 3), ("fsdp", 4)])
+def test_restore_at_another_world_size_and_wrapping_is_exact(saved, saved_kind, kind, world):
+    out = saved
+    ref = load_file(out / f"save-{saved_kind}.safetensors")
+    name = f"restore-{saved_kind}-into-{kind}-{world}"
+    job = {"kind": kind, "phase": "restore", "steps": 3, "root": str(out / f"ck-{saved_kind}"), "out": str(out),
+           "name": name}
+    assert _spawn(world, job, out) == [0] * world
+    _same(ref, load_file(out / f"{name}.safetensors"))
+    for r in range(world):
+        res = _result(out, name, r)
+        assert res["extra"] == [1, [0, 1, 2]]
+        assert "per-rank state was saved by 2 ranks" in res["rank_state_error"]  # never silently dropped
+        # a rank reads the bytes it needs, no others
+        assert res["read"]["bytes_read"] <= 1.1 * res["read"]["bytes_needed"], res["read"]
+
+
+@pytest.mark.parametrize("saved_kind", ["fsdp", "ddp"])
+def test_restore_in_a_plain_process_is_exact(saved, saved_kind):
+    full, res = _restore_plain(str(saved / f"ck-{saved_kind}"))
+    _same(load_file(saved / f"save-{saved_kind}.safetensors"), full)
+    assert res["extra"] == [1, [0, 1, 2]] and res["read"]["bytes_read"] == res["read"]["bytes_needed"]
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_training_resumed_at_the_same_world_size_continues_bitwise(saved, kind, tmp_path):
+    out = saved
+    straight = {"kind": kind, "phase": "train", "steps": 5, "root": str(tmp_path / "unused"), "out": str(out),
+                "name": f"straight-{kind}"}
+    resumed = {"kind": kind, "phase": "restore", "steps": 3, "more": 5, "root": str(out / f"ck-{kind}"),
+               "out": str(out), "name": f"resumed-{kind}"}
+    assert _spawn(2, straight, tmp_path) == [0, 0]
+    assert _spawn(2, resumed, tmp_path) == [0, 0]
+    assert [_result(out, resumed["name"], r)["rank_state"] for r in range(2)] == [0, 1]  # each its own
+    _same(load_file(out / f"straight-{kind}.safetensors"), load_file(out / f"resumed-{kind}.safetensors"))
+
+
+def test_bytes_written_once_and_spread(saved):
+    for kind in ("fsdp", "ddp"):
+        folder = saved / f"ck-{kind}" / "step-00000003"
+        m = json.loads((folder / "manifest.json").read_text())
+        assert m["world_size"] == 2 and m["version"] == 2
+        unique = 0
+        payload = {0: 0, 1: 0}
+        for name, e in m["tensors"].items():
+            n = 1
+            for s in e["shape"]:
+                n *= s
+            nbytes = n * torch.empty((), dtype=getattr(torch, e["dtype"])).element_size()
+            if not name.startswith("extra."):
+                unique += nbytes
+            covered = 0
+            for c in e["chunks"]:
+                size = c["range"][1] - c["range"][0]
+                covered += size
+                payload[int(c["file"].split("-")[1])] += size
+            assert covered == nbytes, name  # each element written exactly once
+        extra_bytes = 3 * 8
+        total = sum(payload.values())
+        assert total == unique + extra_bytes  # the tensor payload is the unique state, no replica twice
+        assert max(payload.values()) / (total / 2) <= 1.25, payload
+        shards = [f for f in os.listdir(folder) if f.endswith(".safetensors")]
+        own = 0  # per-rank state (the RNG states) lives in the same files
+        for r in range(2):
+            info = json.loads((folder / f"rank-{r:05d}.json").read_text())
+            own += sum(e["range"][1] - e["range"][0] for e in info["state_tensors"].values())
+        headers = sum(os.path.getsize(folder / f) for f in shards) - total - own
+        assert 0 < headers < 2048 * len(shards)  # only the safetensors headers besides the tensors
+
+
+# --- commit and failures -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("crash_rank", "point"), [
+    (1, "tmp-created"),  # before any write
+    (1, "data-written"),  # after its data, before its part is reported
+    (0, "manifest-written"),  # every part in, before the manifest
+    (0, "before-rename"),  # the manifest written, before the rename
+])
+def test_a_rank_killed_mid_save_leaves_the_previous_step_and_the_others_raise(tmp_path, crash_rank, point):
+    root = str(tmp_path / "ck")
+    first = {"kind": "fsdp", "phase": "save", "steps": 2, "root": root, "out": str(tmp_path), "name": "first"}
+    assert _spawn(2, first, tmp_path) == [0, 0]
+    crash = {"kind": "fsdp", "phase": "save", "steps": 2, "save_at": [4], "root": root, "out": str(tmp_path),
+             "name": "crash", "crash_rank": crash_rank, "crash_at": point, "timeout": 5}
+    start = time.monotonic()
+    codes = _spawn(2, crash, tmp_path, timeout=120)
+    assert codes[crash_rank] == -9  # SIGKILLed at the point
+    survivor = 1 - crash_rank
+    res = _result(tmp_path, "crash", survivor)
+    assert "error" in res and res["error_at"] - start < 60, res  # typed error within the timeout, no hang
+    ck = Checkpointer(root)
+    assert ck.steps() == [2] and ck.latest() == 2
+    ck.verify(2)
+    full, _ = _restore_plain(root)
+    _same(load_file(tmp_path / "first.safetensors"), full)
+
+
+def test_manifest_is_json_and_a_lying_manifest_is_a_checkpoint_error(saved, tmp_path):
+    import shutil
+
+    root = tmp_path / "ck"
+    shutil.copytree(saved / "ck-ddp", root)
+    mpath = root / "step-00000003" / "manifest.json"
+    m = json.loads(mpath.read_text())
+    assert m["format"] == "torchforge-checkpoint"
+    good = json.loads(json.dumps(m["tensors"]["model.a.weight"]["chunks"]))
+    m["tensors"]["model.a.weight"]["chunks"][0]["sizes"] = [3, 5]  # disagrees with the file
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=r"has shape \[7, 5\], the manifest says \[3, 5\]"):
+        _restore_plain(str(root))
+    m["tensors"]["model.a.weight"]["chunks"] = good[:0]  # a slice nobody wrote
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match="cover 0 of the 35 elements"):
+        _restore_plain(str(root))
+    m["tensors"]["model.a.weight"]["chunks"] = "nonsense"
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(CheckpointError):
+        _restore_plain(str(root))

@@ -1,0 +1,593 @@
+"""Checkpoints under torch.distributed: every rank writes its own shards, one commit, restore at any world size.
+
+Saving (``Checkpointer.save`` on every rank of an initialized process group, gloo or nccl):
+
+1. The state is taken in torch's canonical form (``torch.distributed.checkpoint.state_dict``): parameter
+   names without DDP's ``module.`` prefix, optimizer state keyed by parameter name. Every tensor is
+   either a ``DTensor`` (FSDP2 / tensor parallel: this rank holds one slice of it) or a plain tensor,
+   which under a process group is taken as replicated (DDP: every rank holds the same values).
+2. A plan, made identically on every rank from one ``all_gather_object``: each rank writes its slices
+   of DTensors; replicated tensors are written once, spread over the ranks largest first onto the rank
+   with the fewest bytes so far, and a replicated tensor larger than a rank's fair share is cut into
+   row ranges so that no rank writes much more than the mean. ``extra`` (global state) is rank 0's.
+3. Each rank writes its safetensors files (checksummed, fsynced) into the step's temporary folder
+   ``.tmp-step-<step>-h<host>-p<pid of rank 0>-<nonce>`` (host and pid: a node never deletes another
+   node's save in progress on a shared filesystem), then its ``rank-<k>.json`` (its slices, its files'
+   digests and its per-rank state), atomically.
+4. Rank 0 waits for every rank's JSON (or a rank's error file, or the timeout), writes
+   ``manifest.json`` last (JSON only: every tensor's global shape and dtype and which file and byte
+   range holds which slice; every file's size and block digests), fsyncs, renames the folder into
+   place and fsyncs the root. The other ranks wait until the step is visible. A step is complete or
+   absent; a rank that dies mid-save leaves the previous steps intact, and the others raise
+   :class:`~torchforge.errors.CheckpointError` within the timeout instead of hanging.
+
+Restoring (any world size, or a plain process with no process group): every rank reads the manifest,
+works out the slice of every tensor it holds (the whole tensor for a plain one, its local slice for a
+DTensor) and copies from each saved slice only the overlap, through mmap views of the files: a rank
+reads the bytes it needs and no others (rows of row-major slices; ``Checkpointer.last_restore`` counts
+them). Per-rank state (``rank_state=``) comes back at the same world size only; a DataLoader's state is
+remapped through its elastic resume at another world size when every rank's state says the same global
+position (a ``GlobalSampler``), and anything that cannot be remapped raises ``CheckpointError``.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchforge.checkpoint.state import TensorTable, decode, encode
+from torchforge.checkpoint.writer import (
+    BlockDigest,
+    FilePlan,
+    crash_point,
+    file_plan,
+    split_by_size,
+    write_files,
+)
+from torchforge.errors import CheckpointError, TorchforgeError
+from torchforge.formats.safetensors import fsync_dir, load_safetensors, write_all
+
+__all__ = ["active", "rank_and_world", "restore_distributed", "save_distributed"]
+
+FORMAT = "torchforge-checkpoint"
+VERSION = 2  # the distributed layout (version 1: single-process)
+_POLL = (0.002, 0.05)  # first and longest sleep while waiting for other ranks' files
+
+
+def active() -> bool:
+    """Whether a process group is initialized (saves then take the distributed path)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if active() else (0, 1)
+
+
+def host_name() -> str:
+    """This host's name as it appears in temporary folder names (letters, digits and _)."""
+    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:40] or "host"
+
+
+def tmp_name(step: int, pid: int | None = None, host: str | None = None) -> str:
+    """A step's temporary folder name: it carries the host and pid of the process that owns it."""
+    return f".tmp-step-{step:08d}-h{host or host_name()}-p{pid or os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+# --- the state as items ------------------------------------------------------------------------------
+class _Items(TensorTable):
+    """A TensorTable that keeps DTensors as they are (no alias detection across ranks' shards)."""
+
+    def add(self, name: str, t: torch.Tensor) -> str:
+        self.tensors[name] = t.detach()
+        return name
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local_region(t: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    """(local tensor, global offsets, local sizes) of what this rank holds of ``t``."""
+    if _is_dtensor(t):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = t.to_local()
+        shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if tuple(local.shape) != tuple(shape):  # uneven shards are padded by some placements
+            local = local[tuple(slice(0, s) for s in shape)]
+        return local, list(offsets), list(shape)
+    return t, [0] * t.dim(), list(t.shape)
+
+
+def _replicated_everywhere(t: torch.Tensor) -> bool:
+    if not _is_dtensor(t):
+        return True
+    from torch.distributed.tensor import Replicate
+
+    return all(isinstance(p, Replicate) for p in t.placements)
+
+
+def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model)
+
+
+def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer)
+
+
+# --- saving --------------------------------------------------------------------------------------------
+def _collective(what: str, fn: Callable[[], Any], where: str) -> Any:
+    try:
+        return fn()
+    except Exception as e:  # a rank died or the group broke: typed, not a hang or a raw RuntimeError
+        raise CheckpointError(f"{what} failed: another rank is gone or the process group broke ({e})",
+                              path=where) from e
+
+
+def _plan(items: dict[str, torch.Tensor], owner0: set[str], rank: int, world: int, root: str, step: int
+          ) -> tuple[str, list[tuple[str, torch.Tensor, list[int], list[int]]]]:
+    """This rank's writes: (name, tensor to write, global offsets, sizes) and the temporary folder."""
+    mine, sharded_bytes, replicated = [], 0, []
+    for name, t in items.items():
+        if name in owner0:
+            if rank == 0:
+                mine.append((name, t, [0] * t.dim(), list(t.shape)))
+                sharded_bytes += t.numel() * t.element_size()
+        elif _replicated_everywhere(t):
+            full = t.full_tensor() if _is_dtensor(t) else t
+            replicated.append((name, full))
+        else:
+            local, offsets, sizes = _local_region(t)
+            mine.append((name, local, offsets, sizes))
+            sharded_bytes += local.numel() * local.element_size()
+    rep_info = [(name, list(t.shape), t.element_size()) for name, t in replicated]
+    gathered: list[Any] = [None] * world
+    proposal = (tmp_name(step), sharded_bytes, rep_info)
+    _collective("planning the save (all_gather_object)", lambda: dist.all_gather_object(gathered, proposal), root)
+    folder = gathered[0][0]
+    if any(g[2] != rep_info for g in gathered):
+        raise CheckpointError("ranks disagree on the replicated (non-DTensor) state: every rank must save the "
+                              "same model and optimizer structure", path=root)
+    load = [g[1] for g in gathered]
+    total = sum(load) + sum(_nbytes(s, e) for _, s, e in rep_info)
+    fair = total / world
+    pieces = []  # (bytes, name, row start, row end)
+    for name, shape, esize in rep_info:
+        nbytes = _nbytes(shape, esize)
+        rows = shape[0] if shape else 1
+        if shape and nbytes > fair / 2 and rows > 1:  # large: cut into row ranges, spread like the rest
+            k = min(rows, 2 * world)
+            bounds = [rows * i // k for i in range(k + 1)]
+            pieces += [(nbytes * (b - a) // rows, name, a, b) for a, b in itertools.pairwise(bounds) if b > a]
+        else:
+            pieces.append((nbytes, name, 0, rows))
+    pieces.sort(key=lambda p: (-p[0], p[1], p[2]))
+    full = dict(replicated)
+    for nbytes, name, a, b in pieces:
+        r = min(range(world), key=lambda i: (load[i], i))
+        load[r] += nbytes
+        if r == rank:
+            t = full[name]
+            if t.dim() == 0:
+                mine.append((name, t, [], []))
+            else:
+                mine.append((name, t[a:b], [a] + [0] * (t.dim() - 1), [b - a, *t.shape[1:]]))
+    return folder, mine
+
+
+def _nbytes(shape: list[int], esize: int) -> int:
+    n = esize
+    for s in shape:
+        n *= s
+    return n
+
+
+def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any, rank_state: Any,
+                     loader: Any) -> None:
+    """One step, written by every rank (see the module docstring). ``ck`` is the :class:`Checkpointer`."""
+    rank, world = rank_and_world()
+    items = _Items()
+    spec: dict[str, Any] = {}
+    if model is not None:
+        msd = _model_state(model)
+        spec["model"] = encode(msd, "model", items)
+    if optimizer is not None:
+        if model is None:
+            raise CheckpointError("a distributed save of an optimizer needs its model (optimizer state is keyed "
+                                  "by parameter name)", path=ck.root)
+        spec["optimizer"] = encode(_optimizer_state(model, optimizer), "optim", items)
+    extra_items = _Items()
+    spec["extra"] = encode(extra, "extra", extra_items)
+    owner0 = set()
+    for name, t in extra_items.tensors.items():  # global state: rank 0's, written by rank 0
+        items.tensors[name] = t.full_tensor() if _is_dtensor(t) else t
+        owner0.add(name)
+    folder_name, mine = _plan(items.tensors, owner0, rank, world, ck.root, step)
+    tmp = os.path.join(ck.root, folder_name)
+    own = _Items()
+    own_spec = encode(rank_state, f"rank{rank}", own)
+    tensors: dict[str, torch.Tensor] = {}
+    chunks: dict[str, list[dict[str, Any]]] = {}
+    for name, t, offsets, sizes in mine:
+        key = f"{name}@{','.join(map(str, offsets))}"
+        tensors[key] = t
+        chunks.setdefault(name, []).append({"key": key, "offsets": offsets, "sizes": sizes,
+                                            "dtype": str(t.dtype).removeprefix("torch.")})
+    for name, t in own.tensors.items():
+        tensors[name] = t.full_tensor() if _is_dtensor(t) else t
+    tensors = {k: (v.contiguous() if v.device.type == "cpu" else v) for k, v in tensors.items()}
+    if rank == 0:
+        os.makedirs(tmp, exist_ok=True)
+    else:
+        _wait_for(lambda: os.path.isdir(tmp), ck.timeout, f"rank 0 to create {folder_name}", tmp)
+    crash_point("tmp-created")
+    try:
+        files, by_key = _rank_files(f"rank-{rank:05d}", tensors, ck.max_shard_size)
+        if any(t.device.type != "cpu" for f in files for _, t in f.parts):
+            ck._arena.stage(files)
+        else:
+            for f in files:
+                if f.parts:
+                    f.bind()
+        entries = write_files(tmp, files, ck._pool, ck._flusher, direct=ck.direct_io)
+        for entries_of in chunks.values():
+            for c in entries_of:
+                c.update(by_key[c["key"]])
+        info = {"rank": rank, "world_size": world, "chunks": chunks, "files": entries,
+                "state": own_spec, "state_tensors": {k: by_key[k] for k in own.tensors},
+                "loader": loader.state_dict() if loader is not None else None}
+        if rank == 0:
+            info["spec"] = spec
+        _write_json_atomic(tmp, f"rank-{rank:05d}.json", info)
+        crash_point("data-written")
+    except BaseException as e:
+        _write_json_atomic(tmp, f"rank-{rank:05d}.error", {"rank": rank, "error": repr(e)}, quiet=True)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"rank {rank}: writing step {step} failed, nothing was committed: {e}",
+                                  path=getattr(e, "filename", None) or tmp) from e
+        raise
+    final = ck.path(step)
+    if rank == 0:
+        _commit(ck, step, tmp, final, world)
+    else:
+        _wait_for(lambda: _committed(final, tmp), ck.timeout, f"rank 0 to commit step {step}", tmp)
+        if not os.path.isdir(final) or not os.path.exists(os.path.join(final, "manifest.json")):
+            raise CheckpointError(f"step {step} was not committed (another rank failed)", path=tmp)
+
+
+def _rank_files(prefix: str, tensors: dict[str, torch.Tensor], max_shard: int
+                ) -> tuple[list[FilePlan], dict[str, dict[str, Any]]]:
+    """This rank's safetensors files (split at ``max_shard`` bytes) and where each tensor lies:
+    key -> {"file", "range": [begin, end] in the file}."""
+    files, where = [], {}
+    for k, group in enumerate(split_by_size(tensors, max_shard) if tensors else []):
+        f, layout = file_plan(f"{prefix}-{k:05d}.safetensors", group)
+        files.append(f)
+        for key, t, off in layout:
+            where[key] = {"file": f.name, "range": [off, off + t.numel() * t.element_size()]}
+    return files, where
+
+
+def _committed(final: str, tmp: str) -> bool:
+    if os.path.exists(os.path.join(tmp, "ABORT")):
+        raise CheckpointError("rank 0 aborted the save (a rank failed or timed out)", path=tmp)
+    return os.path.exists(os.path.join(final, "manifest.json")) and not os.path.isdir(tmp)
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float, what: str, where: str) -> None:
+    deadline = time.monotonic() + timeout
+    pause = _POLL[0]
+    while not cond():
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"timed out after {timeout:g} s waiting for {what}", path=where)
+        time.sleep(pause)
+        pause = min(pause * 1.5, _POLL[1])
+
+
+def _write_json_atomic(folder: str, name: str, obj: Any, quiet: bool = False) -> None:
+    data = json.dumps(obj, indent=1).encode() + b"\n"
+    tmp = os.path.join(folder, f".{name}.part")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            write_all(fd, [memoryview(data)], 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, os.path.join(folder, name))
+        fsync_dir(folder)
+    except OSError:
+        if not quiet:
+            raise
+
+
+def _commit(ck: Any, step: int, tmp: str, final: str, world: int) -> None:
+    names = [f"rank-{r:05d}.json" for r in range(world)]
+
+    def ready() -> bool:
+        errors = [n for n in os.listdir(tmp) if n.endswith(".error")]
+        if errors:
+            raise CheckpointError(f"step {step}: {', '.join(sorted(errors))} reported a failure; nothing was "
+                                  "committed", path=tmp)
+        return all(os.path.exists(os.path.join(tmp, n)) for n in names)
+
+    try:
+        _wait_for(ready, ck.timeout, f"all {world} ranks to write their part of step {step}", tmp)
+        infos = []
+        for n in names:
+            with open(os.path.join(tmp, n), "rb") as f:
+                infos.append(json.loads(f.read()))
+        files: dict[str, Any] = {}
+        tensors: dict[str, Any] = {}
+        for info in infos:
+            files.update(info["files"])
+            for name, cs in info["chunks"].items():
+                tensors.setdefault(name, []).extend(cs)
+        for n in names:  # the rank files are covered by the manifest's digests too
+            with open(os.path.join(tmp, n), "rb") as f:
+                data = f.read()
+            d = BlockDigest()
+            d.update(memoryview(data))
+            files[n] = {"size": len(data), "digests": [d.hexdigest()]}
+        spec = infos[0]["spec"]
+        table = {}
+        for name, cs in sorted(tensors.items()):
+            cs.sort(key=lambda c: c["offsets"])
+            table[name] = {"shape": _global_shape(cs), "dtype": cs[0]["dtype"],
+                           "chunks": [{k: c[k] for k in ("file", "key", "offsets", "sizes", "range")} for c in cs]}
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
+                    "checksum": "blake2b128-of-4KiB-page-sum64, 64MiB blocks", "files": files,
+                    "tensors": table, "spec": spec}
+        crash_point("manifest-written")
+        _write_json_atomic(tmp, "manifest.json", manifest)
+        crash_point("before-rename")
+        with ck._lock:
+            if os.path.exists(final):
+                ck._discard(final)
+            os.rename(tmp, final)
+            fsync_dir(ck.root)
+        crash_point("after-rename")
+    except BaseException:
+        try:
+            with open(os.path.join(tmp, "ABORT"), "wb"):
+                pass
+        except OSError:
+            pass
+        raise
+    ck._prune()
+
+
+def _global_shape(chunks: list[dict[str, Any]]) -> list[int]:
+    if not chunks[0]["offsets"]:
+        return []
+    dims = len(chunks[0]["offsets"])
+    return [max(c["offsets"][d] + c["sizes"][d] for c in chunks) for d in range(dims)]
+
+
+# --- restoring ------------------------------------------------------------------------------------------
+class _Reader:
+    """Copies saved slices into target regions through mmap views, counting the bytes it touches."""
+
+    def __init__(self, folder: str, manifest: dict[str, Any]):
+        self.folder, self.m = folder, manifest
+        self.files: dict[str, Any] = {}
+        self.bytes_read = 0
+        self.bytes_needed = 0
+
+    def _file(self, name: str) -> Any:
+        f = self.files.get(name)
+        if f is None:
+            if name not in self.m["files"]:
+                raise CheckpointError(f"the manifest's tensor table names {name!r}, which it does not list",
+                                      path=os.path.join(self.folder, "manifest.json"))
+            f = self.files[name] = load_safetensors(os.path.join(self.folder, name))
+        return f
+
+    def entry(self, name: str) -> dict[str, Any]:
+        e = self.m["tensors"].get(name)
+        if e is None:
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint", path=os.path.join(self.folder,
+                                                                                                 "manifest.json"))
+        return e
+
+    @torch.no_grad()
+    def fill(self, name: str, dst: torch.Tensor, offsets: list[int], sizes: list[int]) -> None:
+        """Copy the region [offsets, offsets + sizes) of saved tensor ``name`` into ``dst``."""
+        e = self.entry(name)
+        covered = 0
+        for c in e["chunks"]:
+            lo = [max(a, b) for a, b in zip(c["offsets"], offsets)]
+            hi = [min(a + s, b + z) for a, s, b, z in zip(c["offsets"], c["sizes"], offsets, sizes)]
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            src = self._file(c["file"]).get(c["key"])
+            if src is None:
+                raise CheckpointError(f"{c['key']!r} is missing from its file", path=os.path.join(self.folder,
+                                                                                                 c["file"]))
+            if list(src.shape) != list(c["sizes"]):
+                raise CheckpointError(f"{c['key']!r} has shape {list(src.shape)}, the manifest says {c['sizes']}",
+                                      path=os.path.join(self.folder, c["file"]))
+            s = src[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, c["offsets"]))]
+            d = dst[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))]
+            d.copy_(s)
+            n = s.numel() * s.element_size()
+            self.bytes_read += n
+            covered += s.numel()
+        want = 1
+        for z in sizes:
+            want *= z
+        self.bytes_needed += want * dst.element_size()
+        if covered != want:
+            raise CheckpointError(f"tensor {name!r}: the saved slices cover {covered} of the {want} elements "
+                                  f"this rank needs (offsets {offsets}, sizes {sizes})",
+                                  path=os.path.join(self.folder, "manifest.json"))
+
+    def fill_like(self, name: str, target: torch.Tensor) -> None:
+        """Fill what this process holds of ``target`` (a DTensor's local slice, or a whole tensor)."""
+        shape = self.entry(name)["shape"]
+        if list(target.shape) != list(shape):
+            raise CheckpointError(f"{name!r} has shape {shape} in the checkpoint, {list(target.shape)} here",
+                                  path=os.path.join(self.folder, "manifest.json"))
+        local, offsets, sizes = _local_region(target)
+        if local.numel():
+            self.fill(name, local, offsets, sizes)
+
+    def whole(self, name: str, device: Any = "cpu") -> torch.Tensor:
+        e = self.entry(name)
+        dtype = getattr(torch, e["dtype"])
+        out = torch.empty(e["shape"], dtype=dtype, device=device)
+        if out.numel():
+            self.fill(name, out, [0] * out.dim(), list(out.shape))
+        return out
+
+
+def restore_distributed(ck: Any, step: int, folder: str, manifest: dict[str, Any], model: Any, optimizer: Any,
+                        loader: Any, map_location: Any) -> Any:
+    rank, world = rank_and_world()
+    where = os.path.join(folder, "manifest.json")
+    reader = _Reader(folder, manifest)
+    spec = manifest.get("spec")
+    if not isinstance(spec, dict) or not isinstance(manifest.get("tensors"), dict):
+        raise CheckpointError("manifest.json is damaged: no 'spec' or 'tensors' table", path=where)
+    try:
+        if model is not None:
+            if "model" not in spec:
+                raise CheckpointError(f"step {step} holds no model state", path=where)
+            _restore_model(reader, model, spec["model"], where)
+        if optimizer is not None:
+            if "optimizer" not in spec:
+                raise CheckpointError(f"step {step} holds no optimizer state", path=where)
+            if model is None:
+                raise CheckpointError("restoring an optimizer from a distributed checkpoint needs its model",
+                                      path=where)
+            _restore_optimizer(reader, model, optimizer, spec["optimizer"], where)
+        if loader is not None:
+            loader.load_state_dict(_loader_state(folder, manifest, rank, world))
+        extra = decode(spec.get("extra"), lambda name: reader.whole(name, map_location))
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise CheckpointError(f"manifest.json is damaged: {e!r}", path=where) from e
+    except TorchforgeError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"step {step} is damaged: {e.reason}", path=e.path, offset=e.offset) from e
+    ck.last_restore = {"bytes_read": reader.bytes_read, "bytes_needed": reader.bytes_needed}
+    return extra
+
+
+def _names(spec: Any) -> dict[str, str]:
+    """key -> stored tensor name, from an encoded flat dict (``{"w": {"__tensor__": "model.w"}}``)."""
+    if not isinstance(spec, dict):
+        raise TypeError("the model spec is not a dict")
+    out = {}
+    for k, v in spec.items():
+        if not (isinstance(v, dict) and set(v) == {"__tensor__"}):
+            raise TypeError(f"model entry {k!r} is not a tensor reference")
+        out[k] = v["__tensor__"]
+    return out
+
+
+def _restore_model(reader: _Reader, model: Any, spec: Any, where: str) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    saved = _names(spec)
+    target = _model_state(model)
+    missing, unexpected = sorted(set(target) - set(saved)), sorted(set(saved) - set(target))
+    if missing or unexpected:
+        raise CheckpointError(f"model keys differ from the checkpoint: missing {missing[:5]}, unexpected "
+                              f"{unexpected[:5]}", path=where)
+    for k, t in target.items():
+        reader.fill_like(saved[k], t)
+    set_model_state_dict(model, target)  # a no-op copy where the state dict shares the parameters' memory
+
+
+def _restore_optimizer(reader: _Reader, model: Any, optimizer: Any, spec: Any, where: str) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    canon = _model_state(model)  # canonical names (DDP's module. prefix gone) map to the same tensors
+
+    def like(name: str) -> torch.Tensor:
+        # optim.state.<fqn>.<key>: shaped like the parameter -> laid out like it (DTensor slices)
+        e = reader.entry(name)
+        fqn = _fqn_of(name, canon)
+        p = canon.get(fqn) if fqn is not None else None
+        if p is not None and list(p.shape) == list(e["shape"]) and e["shape"]:
+            t = torch.empty_like(p, dtype=getattr(torch, e["dtype"]))
+            reader.fill_like(name, t)
+            return t
+        return reader.whole(name, p.device if p is not None and not _is_dtensor(p) else "cpu")
+
+    osd = decode(spec, like)
+    set_optimizer_state_dict(model, optimizer, osd)
+
+
+def _fqn_of(name: str, canon: dict[str, Any]) -> str | None:
+    """The parameter name inside ``optim.state.<fqn>.<key>``."""
+    prefix = "optim.state."
+    if not name.startswith(prefix):
+        return None
+    rest = name[len(prefix):]
+    fqn = rest.rpartition(".")[0]
+    return fqn if fqn in canon else None
+
+
+def _loader_state(folder: str, manifest: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    saved_world = int(manifest["world_size"])
+    states = []
+    for r in range(saved_world):
+        with open(os.path.join(folder, f"rank-{r:05d}.json"), "rb") as f:
+            states.append(json.loads(f.read())["loader"])
+    if any(s is None for s in states):
+        raise CheckpointError("the step holds no DataLoader state (save with loader=)", path=folder)
+    if saved_world == world:
+        return states[rank]
+    problems = []
+    for r, s in enumerate(states):
+        sampler = s.get("sampler")
+        if not (isinstance(sampler, dict) and "position" in sampler) or s.get("skip_batches"):
+            problems.append(f"rank {r}'s sampler state is not elastic (use a GlobalSampler)")
+        if s.get("dataset") is not None:
+            problems.append(f"rank {r} holds a dataset state")
+        if any(w.get("state") is not None for w in s.get("workers", [])):
+            problems.append(f"rank {r} holds per-worker dataset states")
+    positions = {(s["sampler"]["epoch"], s["sampler"]["position"]) for s in states if not problems}
+    if len(positions) > 1:
+        problems.append(f"ranks stopped at different global positions {sorted(positions)}")
+    if problems:
+        raise CheckpointError(f"the DataLoader state saved at world size {saved_world} cannot be remapped to "
+                              f"world size {world}: {'; '.join(problems)}", path=folder)
+    return states[0]
+
+
+def rank_state(folder: str, manifest: dict[str, Any], rank: int, world: int, map_location: Any) -> Any:
+    """This rank's ``rank_state`` (same world size only)."""
+    saved_world = int(manifest["world_size"])
+    if saved_world != world:
+        raise CheckpointError(f"per-rank state was saved by {saved_world} ranks and cannot be given to rank "
+                              f"{rank} of {world}: it is not remappable (restore at world size {saved_world}, or "
+                              "rebuild it)", path=folder)
+    with open(os.path.join(folder, f"rank-{rank:05d}.json"), "rb") as f:
+        info = json.loads(f.read())
+    files = {}
+
+    def tensor(name: str) -> torch.Tensor:
+        loc = info["state_tensors"][name]
+        f = files.get(loc["file"]) or files.setdefault(loc["file"], load_safetensors(os.path.join(folder,
+                                                                                              loc["file"])))
+        key = name
+        return f[key].to(map_location, copy=True)
+
+    return decode(info["state"], tensor)
