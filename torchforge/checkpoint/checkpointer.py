@@ -371,7 +371,7 @@ class Checkpointer:
         if step is None:
             step = self.latest()
             if step is None:
-                raise CheckpointError("no committed checkpoint", path=self.root)
+                raise CheckpointError("no checkpoint: no step is committed", path=self.root)
         return step
 
     def _extra_tensors(self, folder: str, files: Any, map_location: Any) -> Any:
