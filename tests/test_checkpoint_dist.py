@@ -99,6 +99,33 @@ def _rank_main(rank: int, world: int, init: str, job: dict) -> None:
             except CheckpointError as e:
                 result["rank_state_error"] = str(e)
             _train(m, opt, job["steps"], job.get("more", job["steps"]), rank)
+        elif job["phase"] == "async":  # many non-blocking saves of a larger model: memory stays flat
+            big = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+            if job["kind"] == "fsdp":
+                from torch.distributed.device_mesh import init_device_mesh
+                from torch.distributed.fsdp import fully_shard
+
+                fully_shard(big, mesh=init_device_mesh("cpu", (world,)))
+            bopt = torch.optim.AdamW(big.parameters(), lr=0.01)
+            big(torch.randn(2, 1024)).sum().backward()
+            bopt.step()
+            ck = Checkpointer(job["root"], keep_last=2, timeout=60)
+            rss = []
+            for step in range(int(os.environ.get("TF_TEST_SAVES", "20"))):
+                ck.save(step, model=big, optimizer=bopt, blocking=False)
+                with torch.no_grad():  # the state may change as soon as save returns
+                    for p in big.parameters():
+                        p.add_(1.0)
+                ck.wait()
+                with open("/proc/self/statm") as f:
+                    rss.append(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+            result["rss"] = rss
+            result["state_bytes"] = sum(p.numel() * 4 * 3 for p in big.parameters())  # params + 2 AdamW
+            full = {k: v.contiguous() for k, v in _full(big, bopt).items()}
+            if rank == 0:
+                save_file(full, os.path.join(job["out"], f"{job['name']}.safetensors"))
+            ck.close()
+            return
         else:  # an uninterrupted run
             _train(m, opt, 0, job["steps"], rank)
         full = _full(m, opt)
@@ -283,3 +310,27 @@ def test_manifest_is_json_and_a_lying_manifest_is_a_checkpoint_error(saved, tmp_
     mpath.write_text(json.dumps(m))
     with pytest.raises(CheckpointError):
         _restore_plain(str(root))
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_async_saves_snapshot_and_memory_stays_flat(tmp_path, kind):
+    job = {"kind": kind, "phase": "async", "steps": 0, "root": str(tmp_path / "ck"), "out": str(tmp_path),
+           "name": f"async-{kind}"}
+    assert _spawn(2, job, tmp_path) == [0, 0]
+    for r in range(2):
+        res = _result(tmp_path, job["name"], r)
+        assert "error" not in res, res
+        growth = res["rss"][-1] - res["rss"][1]
+        assert growth <= 0.05 * res["state_bytes"], (growth, res["state_bytes"], [x // 1024 for x in res["rss"]])
+    ck = Checkpointer(tmp_path / "ck")
+    assert ck.steps() == [18, 19]
+    ck.verify(19)
+    # step 19 holds the state as it was when save() returned: the parameters before their last +1
+    saved = json.loads((tmp_path / "ck" / "step-00000019" / "manifest.json").read_text())
+    assert saved["world_size"] == 2
+    big = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    ck.restore(model=big)
+    final = load_file(tmp_path / f"async-{kind}.safetensors")
+    for k, v in big.state_dict().items():
+        want = final[f"model.{k}"] - (1.0 if k.endswith(("weight", "bias")) else 0.0)
+        assert torch.equal(v, want), k

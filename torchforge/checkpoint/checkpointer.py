@@ -132,10 +132,14 @@ class Checkpointer:
             raise ValueError(f"step={step!r} must be an int >= 0")
         self.wait()
         if distributed.active():
-            if not blocking:
-                raise CheckpointError("blocking=False is not supported under torch.distributed yet: save with "
-                                      "blocking=True", path=self.root)
-            distributed.save_distributed(self, step, model, optimizer, extra, rank_state, loader)
+            write = distributed.save_distributed(self, step, model, optimizer, extra, rank_state, loader,
+                                                 blocking)
+            if blocking:
+                write()
+            else:
+                self._thread = threading.Thread(target=self._run_background, args=(write,),
+                                                name=f"torchforge-ckpt-{step}", daemon=False)
+                self._thread.start()
             return
         files, state = self._plan(step, model, optimizer, extra, rank_state,
                                   loader.state_dict() if loader is not None else None)
@@ -173,6 +177,12 @@ class Checkpointer:
             if isinstance(err, TorchforgeError):
                 raise err
             raise CheckpointError(f"background save failed: {err!r}", path=self.root) from err
+
+    def _run_background(self, write: Any) -> None:
+        try:
+            write()
+        except BaseException as e:  # noqa: BLE001 - kept for wait()/the next save(), which re-raise it
+            self._error = e
 
     def _background(self, step: int, files: list[FilePlan], state: dict, pending: list[Any]) -> None:
         try:

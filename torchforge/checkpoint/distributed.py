@@ -197,14 +197,20 @@ def _nbytes(shape: list[int], esize: int) -> int:
 
 
 def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any, rank_state: Any,
-                     loader: Any) -> None:
-    """One step, written by every rank (see the module docstring). ``ck`` is the :class:`Checkpointer`."""
+                     loader: Any, blocking: bool = True) -> Callable[[], None]:
+    """Plan one step on every rank (one collective) and snapshot this rank's part; returns the writer.
+
+    Calling the returned function writes this rank's files and takes part in the commit (see the module
+    docstring); it uses no collective, so it may run in a background thread. With ``blocking`` and CPU
+    state it writes straight from the tensors' memory; otherwise it writes a copy made now in the
+    Checkpointer's staging arena (reused save after save, so memory stays flat), and the state may
+    change as soon as this returns.
+    """
     rank, world = rank_and_world()
     items = _Items()
     spec: dict[str, Any] = {}
     if model is not None:
-        msd = _model_state(model)
-        spec["model"] = encode(msd, "model", items)
+        spec["model"] = encode(_model_state(model), "model", items)
     if optimizer is not None:
         if model is None:
             raise CheckpointError("a distributed save of an optimizer needs its model (optimizer state is keyed "
@@ -217,7 +223,6 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
         items.tensors[name] = t.full_tensor() if _is_dtensor(t) else t
         owner0.add(name)
     folder_name, mine = _plan(items.tensors, owner0, rank, world, ck.root, step)
-    tmp = os.path.join(ck.root, folder_name)
     own = _Items()
     own_spec = encode(rank_state, f"rank{rank}", own)
     tensors: dict[str, torch.Tensor] = {}
@@ -230,28 +235,41 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
     for name, t in own.tensors.items():
         tensors[name] = t.full_tensor() if _is_dtensor(t) else t
     tensors = {k: (v.contiguous() if v.device.type == "cpu" else v) for k, v in tensors.items()}
+    files, by_key = _rank_files(f"rank-{rank:05d}", tensors, ck.max_shard_size)
+    events: list[Any] = []
+    if not blocking or any(t.device.type != "cpu" for f in files for _, t in f.parts):
+        events = ck._arena.stage(files, ordered=not blocking)
+    else:
+        for f in files:
+            if f.parts:
+                f.bind()
+    for entries_of in chunks.values():
+        for c in entries_of:
+            c.update(by_key[c["key"]])
+    info = {"rank": rank, "world_size": world, "chunks": chunks, "state": own_spec,
+            "state_tensors": {k: by_key[k] for k in own.tensors},
+            "loader": loader.state_dict() if loader is not None else None}
+    if rank == 0:
+        info["spec"] = spec
+    del items, own, tensors, mine, extra_items
+
+    def write() -> None:
+        for event in events:  # GPU snapshot copies (stream-ordered) land before the write
+            event.synchronize()
+        _write_part(ck, step, os.path.join(ck.root, folder_name), files, info, rank, world)
+
+    return write
+
+
+def _write_part(ck: Any, step: int, tmp: str, files: list[FilePlan], info: dict[str, Any], rank: int,
+                world: int) -> None:
     if rank == 0:
         os.makedirs(tmp, exist_ok=True)
     else:
-        _wait_for(lambda: os.path.isdir(tmp), ck.timeout, f"rank 0 to create {folder_name}", tmp)
+        _wait_for(lambda: os.path.isdir(tmp), ck.timeout, f"rank 0 to create {os.path.basename(tmp)}", tmp)
     crash_point("tmp-created")
     try:
-        files, by_key = _rank_files(f"rank-{rank:05d}", tensors, ck.max_shard_size)
-        if any(t.device.type != "cpu" for f in files for _, t in f.parts):
-            ck._arena.stage(files)
-        else:
-            for f in files:
-                if f.parts:
-                    f.bind()
-        entries = write_files(tmp, files, ck._pool, ck._flusher, direct=ck.direct_io)
-        for entries_of in chunks.values():
-            for c in entries_of:
-                c.update(by_key[c["key"]])
-        info = {"rank": rank, "world_size": world, "chunks": chunks, "files": entries,
-                "state": own_spec, "state_tensors": {k: by_key[k] for k in own.tensors},
-                "loader": loader.state_dict() if loader is not None else None}
-        if rank == 0:
-            info["spec"] = spec
+        info["files"] = write_files(tmp, files, ck._pool, ck._flusher, direct=ck.direct_io)
         _write_json_atomic(tmp, f"rank-{rank:05d}.json", info)
         crash_point("data-written")
     except BaseException as e:
@@ -260,6 +278,9 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
             raise CheckpointError(f"rank {rank}: writing step {step} failed, nothing was committed: {e}",
                                   path=getattr(e, "filename", None) or tmp) from e
         raise
+    finally:
+        for f in files:  # drop references to tensors and the arena
+            f.views, f.parts = [], []
     final = ck.path(step)
     if rank == 0:
         _commit(ck, step, tmp, final, world)

@@ -374,15 +374,25 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
     return entries
 
 
-_local = threading.local()
+_free_buffers: list[memoryview] = []  # page-aligned DIRECT_RUN-byte buffers not in use (kept for the next save)
+_buffers_lock = threading.Lock()
 
 
-def _direct_buffer() -> memoryview:
-    """This thread's page-aligned ``DIRECT_RUN``-byte buffer (kept for the next save)."""
-    buf = getattr(_local, "buf", None)
-    if buf is None or len(buf) < DIRECT_RUN:
-        buf = _local.buf = huge_page_buffer(DIRECT_RUN)
-    return buf
+def _take_buffer() -> memoryview:
+    """A page-aligned ``DIRECT_RUN``-byte buffer. Buffers are shared by every writer thread and returned
+    after each run, so a process holds as many as writes were ever in flight at once, not one per
+    thread that ever wrote (which grew save after save as the pool's threads took turns)."""
+    with _buffers_lock:
+        while _free_buffers:
+            buf = _free_buffers.pop()
+            if len(buf) >= DIRECT_RUN:
+                return buf
+    return huge_page_buffer(DIRECT_RUN)
+
+
+def _give_buffer(buf: memoryview) -> None:
+    with _buffers_lock:
+        _free_buffers.append(buf)
 
 
 _HUGE = 2 << 20
@@ -412,10 +422,17 @@ def huge_page_buffer(size: int) -> memoryview:
 
 
 def _write_run_direct(fd: int, offset: int, views: list[memoryview]) -> np.ndarray:
-    """Write one run of a file with O_DIRECT: gather it into this thread's aligned buffer 1 MiB at a
+    """Write one run of a file with O_DIRECT: gather it into an aligned buffer (:func:`_take_buffer`) 1 MiB at a
     time, summing each piece's pages while it is in the CPU cache, and write it (the file's last run is
     zero-padded to a whole page; the caller truncates the file). Returns the run's page sums."""
-    buf = _direct_buffer()
+    buf = _take_buffer()
+    try:
+        return _write_run_into(buf, fd, offset, views)
+    finally:
+        _give_buffer(buf)
+
+
+def _write_run_into(buf: memoryview, fd: int, offset: int, views: list[memoryview]) -> np.ndarray:
     dst = np.frombuffer(buf, dtype=np.uint8)
     n, done, sums = 0, 0, []  # bytes copied, bytes summed, page sums
     for v in views:
