@@ -515,3 +515,31 @@ def test_direct_io_buffers_are_private_and_aligned_for_huge_pages():
                 break
         else:
             raise AssertionError("the buffer is in no mapping of /proc/self/maps")
+
+
+def test_export_loads_in_safetensors_and_transformers(tmp_path):
+    from safetensors.torch import load_file
+
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=97, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)  # lm_head is tied to the token embedding
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(7, model=model, export_to=tmp_path / "at-save")
+    out = Path(ck.export(7, tmp_path / "hf", max_shard_size="8KB"))
+    for folder in (out, tmp_path / "at-save"):
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        tensors = {}
+        for fname in sorted(set(index["weight_map"].values())):
+            tensors.update(load_file(folder / fname))
+        state = model.state_dict()
+        assert set(tensors) == set(state) - {"lm_head.weight"}  # tied: written once, as save_pretrained does
+        for k, v in tensors.items():
+            assert torch.equal(v, state[k]), k
+        config.save_pretrained(folder)
+        loaded, info = transformers.GPT2LMHeadModel.from_pretrained(folder, output_loading_info=True)
+        assert info["missing_keys"] == [] and info["unexpected_keys"] == [], info
+        for k, v in loaded.state_dict().items():
+            assert torch.equal(v, state[k]), k
+    assert len(set(index["weight_map"].values())) == 1  # the save-time export uses max_shard_size (2GB)
+    assert len(set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1

@@ -9,6 +9,7 @@ import json
 import multiprocessing as mp
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,7 +90,7 @@ def _rank_main(rank: int, world: int, init: str, job: dict) -> None:
             _train(m, opt, 0, job["steps"], rank)
             for step in job.get("save_at", [job["steps"]]):
                 ck.save(step, model=m, optimizer=opt, extra={"epoch": 1, "t": torch.arange(3)},
-                        rank_state={"rank": rank, "rng": torch.get_rng_state()})
+                        rank_state={"rank": rank, "rng": torch.get_rng_state()}, export_to=job.get("export"))
         elif job["phase"] == "restore":
             extra = ck.restore(model=m, optimizer=opt)
             result["extra"] = [extra["epoch"], extra["t"].tolist()]
@@ -186,7 +187,7 @@ def saved(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     for kind in ("fsdp", "ddp"):
         job = {"kind": kind, "phase": "save", "steps": 3, "root": str(out / f"ck-{kind}"), "out": str(out),
-               "name": f"save-{kind}"}
+               "name": f"save-{kind}", "export": str(out / f"hf-{kind}")}
         assert _spawn(2, job, out) == [0, 0]
         assert "error" not in _result(out, job["name"], 0)
     return out
@@ -334,3 +335,20 @@ def test_async_saves_snapshot_and_memory_stays_flat(tmp_path, kind):
     for k, v in big.state_dict().items():
         want = final[f"model.{k}"] - (1.0 if k.endswith(("weight", "bias")) else 0.0)
         assert torch.equal(v, want), k
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_export_is_consolidated_hugging_face_safetensors(saved, kind, tmp_path):
+    ref = {k.removeprefix("model."): v for k, v in load_file(saved / f"save-{kind}.safetensors").items()
+           if k.startswith("model.")}
+    for folder in (saved / f"hf-{kind}",  # written at save time by rank 0
+                   Path(Checkpointer(saved / f"ck-{kind}").export(None, tmp_path / "hf", max_shard_size=200))):
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        got = {}
+        for fname in sorted(set(index["weight_map"].values())):
+            got.update(load_file(folder / fname))  # safetensors' own reader
+        _same(ref, got)
+        assert not [n for n in os.listdir(folder.parent) if ".tmp-" in n]
+    assert len(set(index["weight_map"].values())) > 1  # max_shard_size=200 split it
+    with pytest.raises(CheckpointError, match="exists"):
+        Checkpointer(saved / f"ck-{kind}").export(None, tmp_path / "hf")

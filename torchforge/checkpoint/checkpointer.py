@@ -13,6 +13,7 @@ from typing import Any, Self
 import torch
 
 from torchforge.checkpoint import distributed
+from torchforge.checkpoint.export import export_model
 from torchforge.checkpoint.state import (
     TensorTable,
     decode,
@@ -105,7 +106,8 @@ class Checkpointer:
     # --- saving --------------------------------------------------------------------------------------
     def save(self, step: int, *, model: torch.nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None, extra: Any = None,
-             rank_state: Any = None, loader: Any = None, blocking: bool = True) -> None:
+             rank_state: Any = None, loader: Any = None, export_to: str | os.PathLike | None = None,
+             blocking: bool = True) -> None:
         """Save a step (replacing an existing folder of the same step).
 
         Args:
@@ -118,6 +120,9 @@ class Checkpointer:
                 kinds of values as ``extra``), saved per rank; see :meth:`rank_state`.
             loader: a torchforge DataLoader whose ``state_dict()`` is saved (per rank under
                 torch.distributed); ``restore(loader=...)`` resumes it.
+            export_to: also write the committed step's model to this folder in Hugging Face layout
+                (:meth:`export`, replacing the folder's previous export); under torch.distributed rank 0
+                does it.
             blocking: False copies the state into CPU memory (pinned if CUDA is present), returns, and
                 writes in a background thread; the model may change as soon as this returns. CPU tensors
                 are copied before returning; GPU tensors are copied on a side stream that the current
@@ -133,7 +138,7 @@ class Checkpointer:
         self.wait()
         if distributed.active():
             write = distributed.save_distributed(self, step, model, optimizer, extra, rank_state, loader,
-                                                 blocking)
+                                                 blocking, export_to)
             if blocking:
                 write()
             else:
@@ -152,9 +157,9 @@ class Checkpointer:
                 if f.parts:
                     f.bind()
         if blocking:
-            self._write(step, files, state)
+            self._write(step, files, state, export_to)
         else:
-            self._thread = threading.Thread(target=self._background, args=(step, files, state, pending),
+            self._thread = threading.Thread(target=self._background, args=(step, files, state, pending, export_to),
                                             name=f"torchforge-ckpt-{step}", daemon=False)
             self._thread.start()
 
@@ -184,11 +189,12 @@ class Checkpointer:
         except BaseException as e:  # noqa: BLE001 - kept for wait()/the next save(), which re-raise it
             self._error = e
 
-    def _background(self, step: int, files: list[FilePlan], state: dict, pending: list[Any]) -> None:
+    def _background(self, step: int, files: list[FilePlan], state: dict, pending: list[Any],
+                    export_to: Any = None) -> None:
         try:
             for event in pending:  # GPU snapshot copies (stream-ordered) must land before the write
                 event.synchronize()
-            self._write(step, files, state)
+            self._write(step, files, state, export_to)
         except BaseException as e:  # noqa: BLE001 - kept for wait()/the next save(), which re-raise it
             self._error = e
 
@@ -219,7 +225,7 @@ class Checkpointer:
         files.append(FilePlan.of_bytes(STATE, json.dumps(state, indent=1).encode() + b"\n"))
         return files, state
 
-    def _write(self, step: int, files: list[FilePlan], state: dict) -> None:
+    def _write(self, step: int, files: list[FilePlan], state: dict, export_to: Any = None) -> None:
         tmp = os.path.join(self.root, distributed.tmp_name(step))
         os.mkdir(tmp)
         crash_point("tmp-created")
@@ -247,6 +253,8 @@ class Checkpointer:
             raise
         for f in files:  # drop references to tensors and the arena
             f.views, f.parts = [], []
+        if export_to is not None and "model" in state:
+            self._export(step, export_to, self.max_shard_size, overwrite=True)
         self._prune()
 
     def _prune(self) -> None:
@@ -374,6 +382,41 @@ class Checkpointer:
         except OSError as e:
             raise CheckpointError(f"step {step} cannot be read: {e.strerror}",
                                   path=e.filename or folder) from e
+
+    def export(self, step: int | None, folder: str | os.PathLike, *, max_shard_size: int | str | None = None,
+               overwrite: bool = False) -> str:
+        """Write ``step``'s model (default: the latest step) as Hugging Face safetensors shards.
+
+        ``folder`` gets ``model-0000k-of-0000N.safetensors`` and ``model.safetensors.index.json`` (whole
+        tensors under their canonical names, tied parameters once), written atomically: see
+        :mod:`torchforge.checkpoint.export`. Add the model's ``config.json`` and ``transformers`` loads it.
+
+        Args:
+            step: the step (None: the latest).
+            folder: the output folder (must not exist unless ``overwrite``).
+            max_shard_size: the largest output shard (default: this Checkpointer's ``max_shard_size``).
+            overwrite: replace an existing ``folder``.
+
+        Returns:
+            The folder's absolute path.
+        """
+        step = self._resolve(step)
+        limit = self.max_shard_size if max_shard_size is None else parse_size(max_shard_size,
+                                                                             option="max_shard_size")
+        return self._export(step, folder, limit, overwrite)
+
+    def _export(self, step: int, folder: str | os.PathLike, limit: int, overwrite: bool) -> str:
+        """:meth:`export` of a committed step, without waiting for a save in flight (it runs inside one)."""
+        src = self.path(step)
+        manifest = self.manifest(step)
+        if manifest.get("version") == distributed.VERSION:
+            names, get = distributed.model_tensors(src, manifest)
+        else:
+            if "model" not in self._state(src, step):
+                raise CheckpointError(f"step {step} holds no model state", path=os.path.join(src, STATE))
+            stored, get = self._group(src, "model", manifest["files"])
+            names = {n: (list(get(n).shape), get(n).dtype) for n in stored}
+        return export_model(names, get, os.fspath(folder), limit, self._pool, overwrite=overwrite)
 
     def _resolve(self, step: int | None) -> int:
         """``step``, or the latest committed one, after any save in flight."""

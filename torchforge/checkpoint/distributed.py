@@ -197,7 +197,7 @@ def _nbytes(shape: list[int], esize: int) -> int:
 
 
 def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any, rank_state: Any,
-                     loader: Any, blocking: bool = True) -> Callable[[], None]:
+                     loader: Any, blocking: bool = True, export_to: Any = None) -> Callable[[], None]:
     """Plan one step on every rank (one collective) and snapshot this rank's part; returns the writer.
 
     Calling the returned function writes this rank's files and takes part in the commit (see the module
@@ -256,13 +256,14 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
     def write() -> None:
         for event in events:  # GPU snapshot copies (stream-ordered) land before the write
             event.synchronize()
-        _write_part(ck, step, os.path.join(ck.root, folder_name), files, info, rank, world)
+        _write_part(ck, step, os.path.join(ck.root, folder_name), files, info, rank, world,
+                    export_to if model is not None else None)
 
     return write
 
 
 def _write_part(ck: Any, step: int, tmp: str, files: list[FilePlan], info: dict[str, Any], rank: int,
-                world: int) -> None:
+                world: int, export_to: Any) -> None:
     if rank == 0:
         os.makedirs(tmp, exist_ok=True)
     else:
@@ -284,6 +285,8 @@ def _write_part(ck: Any, step: int, tmp: str, files: list[FilePlan], info: dict[
     final = ck.path(step)
     if rank == 0:
         _commit(ck, step, tmp, final, world)
+        if export_to is not None:
+            ck._export(step, export_to, ck.max_shard_size, overwrite=True)
     else:
         _wait_for(lambda: _committed(final, tmp), ck.timeout, f"rank 0 to commit step {step}", tmp)
         if not os.path.isdir(final) or not os.path.exists(os.path.join(final, "manifest.json")):
@@ -507,6 +510,21 @@ def restore_distributed(ck: Any, step: int, folder: str, manifest: dict[str, Any
         raise CheckpointError(f"step {step} is damaged: {e.reason}", path=e.path, offset=e.offset) from e
     ck.last_restore = {"bytes_read": reader.bytes_read, "bytes_needed": reader.bytes_needed}
     return extra
+
+
+def model_tensors(folder: str, manifest: dict[str, Any]
+                  ) -> tuple[dict[str, tuple[list[int], torch.dtype]], Callable[[str], torch.Tensor]]:
+    """The model's tensors of a distributed step, whole: name -> (shape, dtype), and a reader of one."""
+    spec = manifest.get("spec")
+    if not isinstance(spec, dict) or "model" not in spec:
+        raise CheckpointError("the step holds no model state", path=os.path.join(folder, "manifest.json"))
+    stored = _names(spec["model"])
+    reader = _Reader(folder, manifest)
+    names = {}
+    for key, name in stored.items():
+        e = reader.entry(name)
+        names[key] = (list(e["shape"]), getattr(torch, e["dtype"]))
+    return names, lambda key: reader.whole(stored[key])
 
 
 def _names(spec: Any) -> dict[str, str]:

@@ -1,0 +1,102 @@
+"""Hugging Face output: a step's model as consolidated ``model-0000k-of-0000N.safetensors`` shards plus
+``model.safetensors.index.json``, the layout ``transformers`` and ``safetensors.torch.load_file`` read.
+
+Whole tensors under their canonical names (no DDP ``module.`` prefix, FSDP2 slices joined). Tied
+parameters are written once, as ``transformers``' own ``save_pretrained`` does (the model ties them
+again when it loads). The folder is written like a step: into a temporary sibling named with host and
+pid, every file fsynced, then renamed into place, so a reader never sees half an export. Shards are
+filled one at a time: an export of a sharded checkpoint holds one output shard in memory, not the model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchforge.checkpoint.writer import FilePlan, file_plan, split_by_size, write_files
+from torchforge.errors import CheckpointError
+from torchforge.formats.safetensors import fsync_dir
+
+__all__ = ["export_model"]
+
+INDEX = "model.safetensors.index.json"
+
+
+def export_model(names: dict[str, tuple[list[int], torch.dtype]], get: Callable[[str], torch.Tensor],
+                 folder: str, max_shard: int, pool: Any, *, overwrite: bool = False) -> str:
+    """Write ``names`` (name -> (shape, dtype); tensors fetched one shard at a time by ``get``) to ``folder``.
+
+    Returns:
+        The folder.
+
+    Raises:
+        CheckpointError: ``folder`` exists (without ``overwrite``) or a write failed; nothing is left half
+            written.
+    """
+    from torchforge.checkpoint.distributed import host_name
+
+    folder = os.path.abspath(folder)
+    if os.path.exists(folder) and not overwrite:
+        raise CheckpointError("the export folder exists: pass overwrite=True to replace it", path=folder)
+    parent = os.path.dirname(folder)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(folder)}.tmp-h{host_name()}-p{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.mkdir(tmp)
+    try:
+        sizes = {n: torch.empty(0, dtype=dt).element_size() * _numel(shape) for n, (shape, dt) in names.items()}
+        groups = split_by_size({n: _Sized(sizes[n]) for n in names}, max_shard)  # type: ignore[arg-type]
+        total = len(groups)
+        weight_map, nbytes = {}, 0
+        for k, group in enumerate(groups, 1):
+            fname = f"model-{k:05d}-of-{total:05d}.safetensors"
+            tensors = {n: get(n).contiguous() for n in group}
+            f, _ = file_plan(fname, tensors)
+            f.bind()
+            write_files(tmp, [f], pool, direct=False)
+            del tensors, f
+            for n in group:
+                weight_map[n] = fname
+                nbytes += sizes[n]
+        index = {"metadata": {"total_size": nbytes}, "weight_map": dict(sorted(weight_map.items()))}
+        write_files(tmp, [FilePlan.of_bytes(INDEX, json.dumps(index, indent=2).encode() + b"\n")], pool,
+                    direct=False)
+        fsync_dir(tmp)
+        if os.path.exists(folder):
+            old = f"{tmp}.old"
+            os.rename(folder, old)
+            os.rename(tmp, folder)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, folder)
+        fsync_dir(parent)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"export failed, nothing was written: {e}", path=folder) from e
+        raise
+    return folder
+
+
+class _Sized:
+    """Stands in for a tensor in :func:`split_by_size` (only its byte count matters)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.n = nbytes
+
+    def numel(self) -> int:
+        return self.n
+
+    def element_size(self) -> int:
+        return 1
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
