@@ -5,9 +5,11 @@ A :class:`Snapshot` maps the version's index at once and each shard the first ti
 the tensors against the schema). :meth:`Snapshot.gather` finds the batch's positions in the index (see
 :mod:`torchforge.features.index`), checks each location it will read (shard number and row inside the
 shard: a lying index is a CorruptShardError, never a read outside a file) and copies rows with
-``np.take`` into output tensors made by :func:`torchforge.loader.collate.empty`, which in a torchforge
-DataLoader worker are the batch's shared-memory slab. Rows of one shard go straight into the output
-when the whole batch lies in that shard; otherwise each shard's rows are taken together and scattered.
+``torch.index_select`` (one memcpy per row) into output tensors made by
+:func:`torchforge.loader.collate.empty`, which in a torchforge DataLoader worker are the batch's
+shared-memory slab. Rows of one shard go straight into the output when the whole batch lies in that
+shard; otherwise each shard's rows are taken together into a scratch block (in shard order) and one
+more ``index_select`` puts them in the batch's order.
 """
 from __future__ import annotations
 
