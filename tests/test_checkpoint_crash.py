@@ -186,5 +186,47 @@ def test_unknown_crash_point_does_not_kill(crashed, mode):
     assert Checkpointer(os.path.join(folder, "ck")).steps() == [2, 3]
 
 
+def _resave_then_crash(root: str, point: str, exchange: bool) -> None:
+    """Save steps 2 and 3, then save step 2 again (new values) with the hook armed at ``point``."""
+    import torchforge.checkpoint.checkpointer as mod
+
+    if not exchange:  # a system without renameat2(RENAME_EXCHANGE): the two-rename path
+        mod._exchange = lambda a, b: False
+    model, opt = _model()
+    ck = Checkpointer(root, threads=2)
+    for step, value in ((2, 2), (3, 3), (2, 20)):
+        _fill(model, opt, value)
+        if (step, value) == (2, 20):
+            os.environ[CRASH_AT] = point
+        ck.save(step, model=model, optimizer=opt, extra={"step": value})
+    ck.close()
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+@pytest.mark.parametrize(("point", "survivor"), [("before-rename", 2), ("old-step-hidden", None),
+                                                 ("after-rename", 20)])
+def test_resaving_a_step_is_atomic(tmp_path, point, survivor, exchange):
+    """Killed anywhere in a re-save, the step is the complete old one or the complete new one."""
+    import multiprocessing
+
+    root = str(tmp_path / "ck")
+    proc = multiprocessing.get_context("spawn").Process(target=_resave_then_crash, args=(root, point, exchange))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == -signal.SIGKILL
+    if survivor is None:  # swapped in one rename (the new one), or the old one put back by the next open
+        survivor = 20 if exchange else 2
+    with Checkpointer(root) as ck:
+        assert ck.steps() == [2, 3], os.listdir(root)
+        assert sorted(os.listdir(root)) == ["step-00000002", "step-00000003"]  # leftovers cleaned
+        ck.verify(2)
+        if survivor == 2:
+            _restored(ck, 2)
+        else:
+            model, opt = _model()
+            assert ck.restore(2, model=model, optimizer=opt, verify=True) == {"step": 20}
+            assert all((p == 20).all() for p in model.parameters())
+
+
 if __name__ == "__main__":
     _drive(sys.argv[1])

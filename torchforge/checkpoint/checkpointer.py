@@ -1,11 +1,14 @@
 """The :class:`Checkpointer` (see :mod:`torchforge.checkpoint` for the layout)."""
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import re
 import shutil
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
@@ -81,7 +84,6 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        self._deletes: list[Any] = []
         self._clean_leftovers()
 
     # --- listing -------------------------------------------------------------------------------------
@@ -95,9 +97,29 @@ class Checkpointer:
         return sorted(out)
 
     def latest(self) -> int | None:
-        """The newest committed step, or None."""
-        s = self.steps()
+        """The most recently committed step, or None.
+
+        After a rollback (a run restored from step 5 that saves step 6 again while a step 9 of the
+        abandoned run still exists) that is the new save, not the highest step number: resuming goes on
+        from where the run that saved last stopped.
+        """
+        s = self.committed()
         return s[-1] if s else None
+
+    def committed(self) -> list[int]:
+        """Committed steps in the order they were committed (the manifest's commit time)."""
+        return sorted(self.steps(), key=lambda s: (self._commit_time(s), s))
+
+    def _commit_time(self, step: int) -> int:
+        folder = self.path(step)
+        try:
+            with open(os.path.join(folder, MANIFEST), "rb") as f:
+                t = json.loads(f.read()).get("committed")
+            if isinstance(t, int):
+                return t
+            return os.stat(folder).st_mtime_ns  # a step saved before commit times were recorded
+        except (OSError, ValueError, AttributeError):
+            return 0  # unreadable: the oldest (pruned first); restore reports the damage
 
     def path(self, step: int) -> str:
         """The folder of ``step``."""
@@ -166,13 +188,12 @@ class Checkpointer:
     def wait(self, *, deletions: bool = False) -> None:
         """Block until the background save (if any) is committed; re-raise its error.
 
+        Once it returns, nothing runs in the background on the checkpoint folder: pruned steps are
+        deleted by the save itself, before it counts as done.
+
         Args:
-            deletions: also wait until pruned steps' files are deleted (that runs in the background).
+            deletions: accepted for compatibility (deletions are never left running).
         """
-        if deletions:
-            for f in self._deletes:
-                f.result()
-            self._deletes = []
         t = self._thread
         if t is not None:
             t.join()
@@ -231,7 +252,7 @@ class Checkpointer:
         crash_point("tmp-created")
         try:
             def manifest(entries: dict[str, Any]) -> FilePlan:
-                m = {"format": _FORMAT, "version": 1, "step": step,
+                m = {"format": _FORMAT, "version": 1, "step": step, "committed": time.time_ns(),
                      "checksum": "blake2b128-of-4KiB-page-sum64, 64MiB blocks", "files": entries}
                 return FilePlan.of_bytes(MANIFEST, json.dumps(m, indent=1).encode() + b"\n")
 
@@ -239,11 +260,7 @@ class Checkpointer:
             fsync_dir(tmp)
             final = self.path(step)
             crash_point("before-rename")
-            with self._lock:
-                if os.path.exists(final):  # re-saving a step: move the old one out of sight first
-                    self._discard(final)
-                os.rename(tmp, final)
-                fsync_dir(self.root)
+            self._install(tmp, final)
             crash_point("after-rename")
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -257,24 +274,56 @@ class Checkpointer:
             self._export(step, export_to, self.max_shard_size, overwrite=True)
         self._prune()
 
+    def _install(self, tmp: str, final: str) -> None:
+        """Move a written step folder into place. Re-saving a step swaps the two folders in one atomic
+        rename (Linux ``renameat2(RENAME_EXCHANGE)``), so the step is the old one or the new one whatever
+        moment a crash hits; then the old one is deleted. Where the exchange is not available the old
+        folder is first renamed to ``.old-<step>-…``, which the next Checkpointer puts back if the new one
+        never arrived."""
+        with self._lock:
+            if not os.path.exists(final):
+                os.rename(tmp, final)
+                fsync_dir(self.root)
+                return
+            if _exchange(tmp, final):
+                fsync_dir(self.root)
+                crash_point("old-step-hidden")
+                shutil.rmtree(tmp, ignore_errors=True)
+                return
+            old = os.path.join(self.root, f".old-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
+            os.rename(final, old)
+            crash_point("old-step-hidden")
+            os.rename(tmp, final)
+            fsync_dir(self.root)
+            shutil.rmtree(old, ignore_errors=True)
+
     def _prune(self) -> None:
+        """Delete all but the ``keep_last`` most recently committed steps (by commit, not step number: a
+        run rolled back to an earlier step keeps its new saves), before the save returns."""
         if not self.keep_last:
             return
-        for s in self.steps()[:-self.keep_last]:
+        for s in self.committed()[:-self.keep_last]:
             self._discard(self.path(s))
 
     def _discard(self, folder: str) -> None:
-        """Make a step invisible at once (rename), delete its files in the background."""
+        """Make a step invisible at once (rename), then delete its files."""
         trash = os.path.join(self.root, f".trash-{os.path.basename(folder)}-{uuid.uuid4().hex[:8]}")
         os.rename(folder, trash)
         fsync_dir(self.root)
         crash_point("old-step-hidden")
-        self._deletes = [f for f in self._deletes if not f.done()]
-        self._deletes.append(self._pool.submit(shutil.rmtree, trash, ignore_errors=True))
+        shutil.rmtree(trash, ignore_errors=True)
 
     def _clean_leftovers(self) -> None:
         host = distributed.host_name()
         for name in os.listdir(self.root):
+            m = re.fullmatch(r"\.old-(step-\d{8,})-[0-9a-f]+", name)
+            if m:  # a re-save interrupted between its two renames: the old step comes back if the new is absent
+                final = os.path.join(self.root, m.group(1))
+                if os.path.exists(final):
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                else:
+                    os.rename(os.path.join(self.root, name), final)
+                continue
             # .tmp-step-<step>-h<host>-p<pid>-<nonce>: only this host's saves whose process is gone (another
             # node's save in progress on a shared filesystem is never touched)
             m = re.fullmatch(r"\.tmp-step-\d+-h(\w+)-p(\d+)-[0-9a-f]+", name)
@@ -296,7 +345,7 @@ class Checkpointer:
         try:
             with open(p, "rb") as f:
                 m = json.loads(f.read())
-            if m.get("format") != _FORMAT or not isinstance(m.get("files"), dict):
+            if not isinstance(m, dict) or m.get("format") != _FORMAT or not isinstance(m.get("files"), dict):
                 raise ValueError("not a torchforge checkpoint manifest")
             for name, e in m["files"].items():
                 if "/" in name or "\\" in name or name.startswith(".") or not isinstance(e, dict) or not (
@@ -477,7 +526,10 @@ class Checkpointer:
 
     def _group(self, folder: str, group: str, listed: Any) -> tuple[list[str], Any]:
         index = self._json(folder, f"{group}.safetensors.index.json")
-        wmap: dict[str, str] = index.get("weight_map", {})
+        wmap = index.get("weight_map") if isinstance(index, dict) else None
+        if not (isinstance(wmap, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items())):
+            raise CheckpointError("the index is damaged: no 'weight_map' of tensor names to file names",
+                                  path=os.path.join(folder, f"{group}.safetensors.index.json"))
         opened: dict[str, Any] = {}
         for fname in sorted(set(wmap.values())):
             if fname not in listed:
@@ -542,6 +594,35 @@ def _decode(value: Any, tensor: Any, where: str) -> Any:
 def _missing(name: str, folder: str) -> torch.Tensor:
     raise CheckpointError(f"state.json refers to tensor {name!r} but the step has no extra shards",
                           path=folder)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _renameat2() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not Linux, or a C library without it
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2_fn = _renameat2()
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically; False where the system or filesystem cannot."""
+    if _renameat2_fn is None:
+        return False
+    if _renameat2_fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), b)
 
 
 def _alive(pid: int) -> bool:

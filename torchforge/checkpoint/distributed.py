@@ -373,17 +373,13 @@ def _commit(ck: Any, step: int, tmp: str, final: str, world: int) -> None:
             cs.sort(key=lambda c: c["offsets"])
             table[name] = {"shape": _global_shape(cs), "dtype": cs[0]["dtype"],
                            "chunks": [{k: c[k] for k in ("file", "key", "offsets", "sizes", "range")} for c in cs]}
-        manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world, "committed": time.time_ns(),
                     "checksum": "blake2b128-of-4KiB-page-sum64, 64MiB blocks", "files": files,
                     "tensors": table, "spec": spec}
         crash_point("manifest-written")
         _write_json_atomic(tmp, "manifest.json", manifest)
         crash_point("before-rename")
-        with ck._lock:
-            if os.path.exists(final):
-                ck._discard(final)
-            os.rename(tmp, final)
-            fsync_dir(ck.root)
+        ck._install(tmp, final)
         crash_point("after-rename")
     except BaseException:
         try:

@@ -12,6 +12,8 @@ It guards against accidental damage, not tampering.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -20,8 +22,9 @@ import mmap
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,7 +217,7 @@ class Arena:
             total += -(-(f.size - len(f.head)) // 64) * 64
         if self.buf is None or self.buf.numel() < total:
             self.buf = None
-            self.buf = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self.buf = pinned_empty(total) if torch.cuda.is_available() else torch.empty(total, dtype=torch.uint8)
         pairs = []
         for f, base in zip(files, regions):
             hl = len(f.head)
@@ -227,6 +230,28 @@ class Arena:
             if f.size > hl:
                 f.views.append((hl, as_bytes(self.buf[base: base + f.size - hl])))
         return copy_tensors(pairs, ordered=ordered)
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked host memory, exactly: ordinary memory registered with CUDA
+    (``cudaHostRegister``). ``torch.empty(..., pin_memory=True)`` goes through the caching host
+    allocator, which rounds a request up to the next power of two: a 5 GiB state would pin 8 GiB. Falls
+    back to that allocator where registering fails."""
+    buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    try:
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)) != 0:
+            raise RuntimeError("cudaHostRegister failed")
+    except Exception:  # noqa: BLE001 - an old driver, a sandbox: pin through torch's allocator instead
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = buf[:nbytes]
+    weakref.finalize(out, _unregister, buf.data_ptr(), buf)  # the finalizer holds buf until out dies
+    return out
+
+
+def _unregister(ptr: int, buf: torch.Tensor) -> None:
+    with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone already
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 _side_streams: dict[Any, Any] = {}
@@ -255,9 +280,12 @@ def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, ordered:
 
 def _copy_gpu(pairs: list[tuple[torch.Tensor, torch.Tensor]], ordered: bool) -> list[Any]:
     if not ordered:
+        devices = set()
         for dst, src in pairs:
             dst.copy_(src.detach(), non_blocking=True)
-        torch.cuda.synchronize()  # the sources (mmaps, live tensors) may go away once we return
+            devices.update(t.device for t in (dst, src) if t.is_cuda)
+        for device in devices:  # every device a copy ran on, not only the current one
+            torch.cuda.synchronize(device)  # the sources (mmaps, live tensors) may go away once we return
         return []
     by_device: dict[Any, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for dst, src in pairs:
@@ -319,6 +347,7 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
         The manifest entries of ``files``: name -> ``{"size": bytes, "digests": [hex per 64 MiB block]}``.
     """
     fds: dict[str, int] = {}
+    queued: list[Future] = []  # every write, run and fsync handed to the pool
     padded: list[tuple[int, int]] = []  # (fd, size) of files whose last O_DIRECT write went past the end
 
     def create(name: str, size: int, want_direct: bool = False) -> tuple[int, bool]:
@@ -348,10 +377,12 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
                     size = min(BLOCK, f.size - b * BLOCK)
                     runs = [pool.submit(_write_run_direct, fd, b * BLOCK + k * DIRECT_RUN, run)
                             for k, run in enumerate(_pieces(views, DIRECT_RUN))]
+                    queued += runs
                     jobs.append((f.name, lambda runs=runs, size=size: _digest_of_sums(
                         [r.result() for r in runs], size)))
                 else:
                     fut = pool.submit(_write_block, fd, b * BLOCK, views, flusher, flushes)
+                    queued.append(fut)
                     jobs.append((f.name, fut.result))
         sums: dict[str, list[str]] = {f.name: [] for f in files}
         for name, result in jobs:
@@ -366,9 +397,16 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
             crash_point("manifest-written")
         for fut in flushes:
             fut.result()
-        for fut in [pool.submit(os.fsync, fd) for fd in fds.values()]:
+        syncs = [pool.submit(os.fsync, fd) for fd in fds.values()]
+        queued += syncs
+        for fut in syncs:
             fut.result()
     finally:
+        # A descriptor is closed only once nothing queued can still use it: after a failure (ENOSPC in one
+        # block) the other blocks' writes are still running, and a closed number may be reused at once by
+        # another open file, which they would then write into.
+        concurrent.futures.wait(queued)
+        concurrent.futures.wait(list(flushes))
         for fd in fds.values():
             os.close(fd)
     return entries
