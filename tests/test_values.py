@@ -136,3 +136,9 @@ def test_values_survive_the_readers_close(tmp_path, mds_folder):
     held = pickle.loads(pickle.dumps(ds[4]["blob"]))
     del ds
     assert held == _blob(4) and os.path.isdir(mds_folder)
+
+
+def test_byteview_indexes_and_iterates_as_bytes():
+    v = byte_view(b"\x01\x02\xff")
+    assert v[-1] == 255 and type(v[-1]) is int and len(v) + v[-1] == 258  # no uint8 wrap-around
+    assert list(v) == [1, 2, 255] and isinstance(v[1:], ByteView) and v[1:] == b"\x02\xff"

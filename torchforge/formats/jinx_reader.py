@@ -35,6 +35,7 @@ from torchforge.formats.jinx_codec import (
     load_pt,
 )
 from torchforge.formats.values import ByteView, byte_view
+from torchforge.formats.values import _getitem as _slice
 from torchforge.lazy import Decoder, LazySample, lazy_sample
 
 __all__ = ["LINE_ERRORS", "LINE_PARSER", "JinxShard", "sidecar_path"]
@@ -462,5 +463,5 @@ def _raw_sidecar_view(shard: JinxShard, loc: Any, offset: int) -> ByteView:
         o = loc.get("offset")
         n = loc.get("length")
         if type(o) is int and type(n) is int and 0 <= o <= o + n <= shard._bin_size:
-            return shard._bin_bv[o:o + n]  # type: ignore[index]
+            return _slice(shard._bin_bv, slice(o, o + n))  # type: ignore[arg-type]
     return byte_view(shard.sidecar(loc, offset))

@@ -8,7 +8,7 @@ travel, and costs no copy where they do not:
   batch or a queue), so the other side receives plain ``bytes``;
 - torch's ``default_collate`` collates a batch of them as it does ``bytes``: a list (the type is added
   to ``torch.utils.data._utils.collate.default_collate_fn_map``, the extension point torch documents);
-- ``==``, ``hash``, ``len``, ``bytes(v)``, ``v.decode()`` and the buffer protocol (``memoryview(v)``,
+- ``==``, ``hash``, ``len``, ``v[i]`` and iteration (ints), ``bytes(v)``, ``v.decode()`` and the buffer protocol (``memoryview(v)``,
   ``io.BytesIO(v)``, ``np.frombuffer(v)``, ``PIL.Image.open(io.BytesIO(v))``) work as on ``bytes``.
 
 It is a one-dimensional ``uint8`` numpy array underneath (the one type in Python 3.11 that offers
@@ -33,6 +33,14 @@ class ByteView(np.ndarray):
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:  # numpy's own sends array buffers (protocol 5)
         return bytes, (self.tobytes(),)
+
+    def __getitem__(self, key: Any) -> Any:  # type: ignore[override]
+        """An int for an index (as ``bytes``), a ByteView for a slice."""
+        item = _getitem(self, key)
+        return int(item) if isinstance(item, np.integer) else item
+
+    def __iter__(self) -> Any:
+        return iter(self.tobytes())  # ints, as bytes
 
     def __bytes__(self) -> bytes:
         return self.tobytes()
@@ -60,6 +68,7 @@ class ByteView(np.ndarray):
 
 
 BYTES_LIKE = (bytes, bytearray, memoryview, ByteView)
+_getitem = np.ndarray.__getitem__  # readers slice with it directly (no Python-level call per value)
 
 
 def byte_view(buffer: Any) -> ByteView:
