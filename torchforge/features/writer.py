@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Self
 import numpy as np
 import torch
 
-from torchforge.checkpoint.writer import BlockDigest
+from torchforge.checkpoint.digest import BlockDigest
 from torchforge.errors import FormatError, TorchforgeError
 from torchforge.features.index import IdIndex, overlay, write_index
 from torchforge.features.layout import (
