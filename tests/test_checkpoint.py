@@ -369,7 +369,7 @@ def test_cuda_model_non_blocking_save_and_restore(tmp_path):
 def test_block_digest_streaming_and_what_it_detects():
     import random
 
-    from torchforge.checkpoint.writer import PAGE, BlockDigest
+    from torchforge.checkpoint.digest import PAGE, BlockDigest
 
     rng = random.Random(0)
     data = bytes(rng.getrandbits(8) for _ in range(3 * PAGE + 123))
@@ -404,9 +404,10 @@ def _small_direct_io(monkeypatch) -> list[int]:
     """Direct I/O for every file, with blocks, runs and digest pieces small enough that a small model
     spans many of each and tensors straddle their boundaries. Returns a list that counts the runs."""
     import torchforge.checkpoint.writer as io
+    from torchforge.checkpoint import digest
 
     monkeypatch.setattr(io, "DIRECT_MIN", 0)
-    monkeypatch.setattr(io, "BLOCK", 64 << 10)
+    monkeypatch.setattr(digest, "BLOCK", 64 << 10)
     monkeypatch.setattr(io, "DIRECT_RUN", 16 << 10)
     monkeypatch.setattr(io, "_SUM_PIECE", 8 << 10)
     calls: list[int] = []
@@ -579,8 +580,9 @@ def test_descriptors_outlive_every_queued_write_and_enospc_is_a_checkpoint_error
     import time
 
     import torchforge.checkpoint.writer as io
+    from torchforge.checkpoint import digest
 
-    monkeypatch.setattr(io, "BLOCK", 64 << 10)  # many blocks per file, written in parallel
+    monkeypatch.setattr(digest, "BLOCK", 64 << 10)  # many blocks per file, written in parallel
     real = io._write_block
     seen_closed = []
     calls = itertools.count(1)  # no failure until it is reset to start at 0
@@ -643,7 +645,7 @@ def test_structurally_wrong_json_is_a_checkpoint_error(tmp_path, name, bad):
     path = tmp_path / "step-00000001" / name
     path.write_text(json.dumps(bad))
     if name != "manifest.json":  # keep the manifest's size and digests right: only the structure is wrong
-        from torchforge.checkpoint.writer import BlockDigest
+        from torchforge.checkpoint.digest import BlockDigest
 
         mpath = tmp_path / "step-00000001" / "manifest.json"
         man = json.loads(mpath.read_text())
@@ -660,7 +662,7 @@ def test_structurally_wrong_json_is_a_checkpoint_error(tmp_path, name, bad):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_pinned_staging_is_sized_to_the_state_not_rounded_up(tmp_path):
-    from torchforge.checkpoint.writer import pinned_empty
+    from torchforge.checkpoint.staging import pinned_empty
 
     n = (5 << 20) + 12345  # the caching host allocator would round this up to 8 MiB
     before = torch.cuda.memory.host_memory_stats().get("reserved_bytes.all.current", 0)

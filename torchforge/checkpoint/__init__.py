@@ -1,8 +1,9 @@
 """Atomic, versioned, verified, optionally asynchronous checkpoints in safetensors shards. No pickle.
 
-Modules: ``checkpointer`` (:class:`Checkpointer`), ``writer`` (shard planning, the parallel checksummed
-writer, the staging arena, verification), ``state`` (model/optimizer/extra state to tensors + JSON and
-back) and ``distributed`` (saves and resharding restores under torch.distributed).
+Modules: ``checkpointer`` (:class:`Checkpointer`), ``writer`` (shard planning and the parallel
+checksummed writer), ``digest`` (block checksums and verification), ``staging`` (the snapshot buffer and
+tensor copies), ``state`` (model/optimizer/extra state to tensors + JSON and back), ``distributed``
+(saves and resharding restores under torch.distributed) and ``export`` (Hugging Face output).
 
 Layout of ``root``::
 
@@ -11,7 +12,7 @@ Layout of ``root``::
         optimizer-00001-of-00001.safetensors   optimizer.safetensors.index.json
         extra-00001-of-00001.safetensors       extra.safetensors.index.json   (only if extra has tensors)
         state.json       non-tensor state as JSON: optimizer param groups, step counters, ``extra``, aliases
-        manifest.json    every other file's size and a digest per 64 MiB block (written last; see checkpoint.writer)
+        manifest.json    every other file's size and a digest per 64 MiB block (written last; see checkpoint.digest)
 
 A step is written into ``.tmp-step-…`` with every file fsynced, then the folder is fsynced and renamed to
 ``step-…`` and the root fsynced: a step folder is either complete or absent, whatever moment a crash

@@ -16,7 +16,9 @@ from typing import Any, Self
 import torch
 
 from torchforge.checkpoint import distributed
+from torchforge.checkpoint.digest import verify_files
 from torchforge.checkpoint.export import export_model
+from torchforge.checkpoint.staging import Arena
 from torchforge.checkpoint.state import (
     TensorTable,
     decode,
@@ -25,14 +27,7 @@ from torchforge.checkpoint.state import (
     restore_model,
     restore_optimizer,
 )
-from torchforge.checkpoint.writer import (
-    Arena,
-    FilePlan,
-    crash_point,
-    plan_group,
-    verify_files,
-    write_files,
-)
+from torchforge.checkpoint.writer import FilePlan, crash_point, plan_group, write_files
 from torchforge.errors import CheckpointError, TorchforgeError
 from torchforge.formats.safetensors import fsync_dir, load_safetensors
 from torchforge.sizes import parse_size

@@ -43,9 +43,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchforge.checkpoint.digest import BlockDigest
 from torchforge.checkpoint.state import TensorTable, decode, encode
 from torchforge.checkpoint.writer import (
-    BlockDigest,
     FilePlan,
     crash_point,
     file_plan,

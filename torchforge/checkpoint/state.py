@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from torchforge.checkpoint.writer import copy_tensors
+from torchforge.checkpoint.staging import copy_tensors
 from torchforge.errors import CheckpointError
 
 __all__ = ["TensorTable", "decode", "encode", "restore_model", "restore_optimizer"]

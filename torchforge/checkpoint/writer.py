@@ -1,28 +1,20 @@
-"""Checkpoint file I/O: shard planning, the parallel checksummed writer, the staging arena, verification.
+"""Checkpoint files: shard planning and the parallel checksummed writer.
 
-Checksums (standard library + numpy only): every file is cut into 64 MiB blocks; a block's digest is
-BLAKE2b-128 over the 64-bit sums (mod 2**64, little-endian words, last page zero-padded) of its 4 KiB
-pages and its length. numpy sums pages at memory speed with the GIL released (zlib's CRC-32 is several
-times slower), so checksumming is not what limits a save; per-block digests let threads hash
-disjoint parts of one file in parallel and let ``verify`` say where a file is damaged. Any change
-inside one page that does not leave its word sum unchanged is detected - every flipped bit or byte, a zeroed, torn, stale, moved
-or swapped page, truncation - and BLAKE2b makes a different page-sum list collide with probability
-2**-128. Not detected: changes that cancel out inside one page (two 8-byte words swapped within a page).
-It guards against accidental damage, not tampering.
+:func:`write_files` writes every file's blocks in parallel, digesting each block
+(:mod:`torchforge.checkpoint.digest`) while it is in the CPU cache, and fsyncs every file; large files go
+with ``O_DIRECT`` where the filesystem allows it. :func:`crash_point` is the test-only hook that kills a
+save at a named moment.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import ctypes
 import errno
-import hashlib
 import json
 import mmap
 import os
 import signal
 import threading
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,29 +23,26 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchforge.errors import CheckpointError
+from torchforge.checkpoint import digest
+from torchforge.checkpoint.digest import PAGE, BlockDigest, _digest_of_sums, _page_sums
 from torchforge.formats.safetensors import as_bytes, plan, write_all
 
 __all__ = [
-    "BLOCK",
     "CRASH_AT",
     "CRASH_POINTS",
-    "Arena",
-    "BlockDigest",
     "FilePlan",
-    "copy_tensors",
     "crash_point",
+    "file_plan",
+    "huge_page_buffer",
     "plan_group",
-    "verify_files",
+    "split_by_size",
     "write_files",
 ]
 
-BLOCK = 64 << 20  # checksum granularity
-PAGE = 4096
 CHUNK = 4 << 20  # hash-then-write run size
 WRITEBACK = True  # start write-back per block (sync_file_range) instead of leaving it all to fsync
 DIRECT_MIN = 16 << 20  # files at least this large are written with O_DIRECT where the filesystem allows it
-DIRECT_RUN = 32 << 20  # bytes per O_DIRECT write (a multiple of _SUM_PIECE that divides BLOCK); large
+DIRECT_RUN = 32 << 20  # bytes per O_DIRECT write (a multiple of _SUM_PIECE that divides digest.BLOCK); large
 # writes matter: fewer, larger requests in flight keep the disk busier (figures in benchmarks/RESULTS.md)
 _SUM_PIECE = 1 << 20  # copied and digested at a time (stays in the CPU cache in between)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -106,41 +95,6 @@ def _preallocate(fd: int, size: int) -> None:
     emulation, which would write the file twice)."""
     if _fallocate is None or _fallocate(fd, 0, 0, size) != 0:
         os.ftruncate(fd, size)
-
-
-class BlockDigest:
-    """Streaming digest of one block: BLAKE2b-128 of the 64-bit word sums of its 4 KiB pages."""
-
-    def __init__(self) -> None:
-        self._h = hashlib.blake2b(digest_size=16)
-        self._tail = bytearray()  # bytes of a page not yet complete
-        self._n = 0
-
-    def update(self, v: memoryview) -> None:
-        self._n += len(v)
-        pos = 0
-        if self._tail:
-            pos = min(PAGE - len(self._tail), len(v))
-            self._tail += v[:pos]
-            if len(self._tail) < PAGE:
-                return
-            self._pages(self._tail)
-            self._tail = bytearray()
-        full = (len(v) - pos) // PAGE * PAGE
-        if full:
-            self._pages(v[pos: pos + full])
-        self._tail += v[pos + full:]
-
-    def _pages(self, buf: Any) -> None:
-        self._h.update(_page_sums(np.frombuffer(buf, dtype=np.uint8)).astype("<u8", copy=False).tobytes())
-
-    def hexdigest(self) -> str:
-        if self._tail:
-            self._tail += bytes(-len(self._tail) % PAGE)
-            self._pages(self._tail)
-            self._tail = bytearray()
-        self._h.update(self._n.to_bytes(8, "little"))  # zero padding must not hide a length change
-        return self._h.hexdigest()
 
 
 @dataclass
@@ -200,122 +154,13 @@ def plan_group(prefix: str, tensors: Mapping[str, torch.Tensor], max_shard: int
     return files, json.dumps(index, indent=2).encode() + b"\n"
 
 
-class Arena:
-    """A reusable CPU buffer (pinned when CUDA is present) that snapshots tensors in file layout."""
-
-    def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
-
-    def stage(self, files: Sequence[FilePlan], *, ordered: bool = False) -> Any:
-        """Copy every part of ``files`` into the arena and point the files' views at it.
-
-        See :func:`copy_tensors` for what ``ordered`` does and what is returned.
-        """
-        regions, total = [], 0
-        for f in files:
-            regions.append(total)
-            total += -(-(f.size - len(f.head)) // 64) * 64
-        if self.buf is None or self.buf.numel() < total:
-            self.buf = None
-            self.buf = pinned_empty(total) if torch.cuda.is_available() else torch.empty(total, dtype=torch.uint8)
-        pairs = []
-        for f, base in zip(files, regions):
-            hl = len(f.head)
-            for off, t in f.parts:
-                n = t.numel() * t.element_size()
-                if n:
-                    dst = self.buf[base + off - hl: base + off - hl + n]
-                    pairs.append((dst.view(t.dtype).view(t.shape), t))
-            f.views = [(0, memoryview(f.head))]
-            if f.size > hl:
-                f.views.append((hl, as_bytes(self.buf[base: base + f.size - hl])))
-        return copy_tensors(pairs, ordered=ordered)
-
-
-def pinned_empty(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of page-locked host memory, exactly: ordinary memory registered with CUDA
-    (``cudaHostRegister``). ``torch.empty(..., pin_memory=True)`` goes through the caching host
-    allocator, which rounds a request up to the next power of two: a 5 GiB state would pin 8 GiB. Falls
-    back to that allocator where registering fails."""
-    buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-    try:
-        cudart = torch.cuda.cudart()
-        if int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)) != 0:
-            raise RuntimeError("cudaHostRegister failed")
-    except Exception:  # noqa: BLE001 - an old driver, a sandbox: pin through torch's allocator instead
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    out = buf[:nbytes]
-    weakref.finalize(out, _unregister, buf.data_ptr(), buf)  # the finalizer holds buf until out dies
-    return out
-
-
-def _unregister(ptr: int, buf: torch.Tensor) -> None:
-    with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone already
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-
-
-_side_streams: dict[Any, Any] = {}
-
-
-def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, ordered: bool = False) -> list[Any]:
-    """``dst.copy_(src)`` for every pair. CPU pairs are copied by torch, which splits each copy over its
-    intra-op threads (8 MiB pieces shared by a pool of threads through numpy were no faster), and it is
-    the copy ``load_file`` + ``copy_`` uses.
-
-    Copies that involve a GPU are waited for before returning, unless ``ordered``: then they run on a
-    side stream of each device (after everything already queued on its current stream), the current
-    stream is made to wait for them (kernels queued after this call, an optimizer step for instance,
-    run after the copies), and the host does not wait. The returned CUDA events (one per device, none
-    without GPU copies) say when the destinations are complete: synchronize them before reading those.
-    """
-    gpu = []
-    with torch.no_grad():
-        for dst, src in pairs:
-            if "cuda" in (dst.device.type, src.device.type):
-                gpu.append((dst, src))
-            else:
-                dst.copy_(src.detach())
-        return _copy_gpu(gpu, ordered) if gpu else []
-
-
-def _copy_gpu(pairs: list[tuple[torch.Tensor, torch.Tensor]], ordered: bool) -> list[Any]:
-    if not ordered:
-        devices = set()
-        for dst, src in pairs:
-            dst.copy_(src.detach(), non_blocking=True)
-            devices.update(t.device for t in (dst, src) if t.is_cuda)
-        for device in devices:  # every device a copy ran on, not only the current one
-            torch.cuda.synchronize(device)  # the sources (mmaps, live tensors) may go away once we return
-        return []
-    by_device: dict[Any, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for dst, src in pairs:
-        by_device.setdefault(src.device if src.is_cuda else dst.device, []).append((dst, src))
-    events = []
-    for device, group in by_device.items():
-        current = torch.cuda.current_stream(device)
-        side = _side_streams.get(device)
-        if side is None:
-            side = _side_streams[device] = torch.cuda.Stream(device)
-        side.wait_stream(current)  # the snapshot sees every kernel queued before save()
-        with torch.cuda.stream(side):
-            for dst, src in group:
-                dst.copy_(src.detach(), non_blocking=True)
-                if src.is_cuda:
-                    src.record_stream(side)  # its memory is not reused before the copy has run
-        done = torch.cuda.Event()
-        done.record(side)
-        current.wait_event(done)  # later kernels on the current stream may change the sources
-        events.append(done)
-    return events
-
-
 def _blocks(views: Sequence[tuple[int, memoryview]], size: int) -> list[list[memoryview]]:
-    out: list[list[memoryview]] = [[] for _ in range(max(1, -(-size // BLOCK)))]
+    out: list[list[memoryview]] = [[] for _ in range(max(1, -(-size // digest.BLOCK)))]
     for off, v in views:
         pos = 0
         while pos < len(v):
-            b = (off + pos) // BLOCK
-            take = min(len(v) - pos, (b + 1) * BLOCK - (off + pos))
+            b = (off + pos) // digest.BLOCK
+            take = min(len(v) - pos, (b + 1) * digest.BLOCK - (off + pos))
             out[b].append(v[pos: pos + take])
             pos += take
     return out
@@ -374,14 +219,14 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
                 padded.append((fd, f.size))
             for b, views in enumerate(_blocks(f.views, f.size)):
                 if is_direct:  # runs of a block are written in parallel; the digest is made in order
-                    size = min(BLOCK, f.size - b * BLOCK)
-                    runs = [pool.submit(_write_run_direct, fd, b * BLOCK + k * DIRECT_RUN, run)
+                    size = min(digest.BLOCK, f.size - b * digest.BLOCK)
+                    runs = [pool.submit(_write_run_direct, fd, b * digest.BLOCK + k * DIRECT_RUN, run)
                             for k, run in enumerate(_pieces(views, DIRECT_RUN))]
                     queued += runs
                     jobs.append((f.name, lambda runs=runs, size=size: _digest_of_sums(
                         [r.result() for r in runs], size)))
                 else:
-                    fut = pool.submit(_write_block, fd, b * BLOCK, views, flusher, flushes)
+                    fut = pool.submit(_write_block, fd, b * digest.BLOCK, views, flusher, flushes)
                     queued.append(fut)
                     jobs.append((f.name, fut.result))
         sums: dict[str, list[str]] = {f.name: [] for f in files}
@@ -493,20 +338,6 @@ def _write_run_into(buf: memoryview, fd: int, offset: int, views: list[memoryvie
     return np.concatenate(sums) if sums else np.zeros(0, np.uint64)
 
 
-def _page_sums(a: np.ndarray) -> np.ndarray:
-    """The 64-bit word sums (mod 2**64) of each 4 KiB page of ``a`` (uint8, a whole number of pages)."""
-    return a.view("<u8").reshape(-1, PAGE // 8).sum(axis=1, dtype=np.uint64)
-
-
-def _digest_of_sums(sums: Sequence[np.ndarray], size: int) -> str:
-    """The :class:`BlockDigest` of a block from its pages' sums (in order) and its length."""
-    h = hashlib.blake2b(digest_size=16)
-    for a in sums:
-        h.update(a.astype("<u8", copy=False).tobytes())
-    h.update(size.to_bytes(8, "little"))
-    return h.hexdigest()
-
-
 def _pieces(views: Sequence[memoryview], size: int) -> list[list[memoryview]]:
     """Cut views into runs of at most ``size`` bytes (small views share a run)."""
     runs: list[list[memoryview]] = [[]]
@@ -539,39 +370,3 @@ def _write_block(fd: int, offset: int, views: list[memoryview], flusher: ThreadP
     return digest.hexdigest()
 
 
-def verify_files(folder: str, entries: Mapping[str, Mapping[str, Any]], *, checksums: bool = True,
-                 pool: ThreadPoolExecutor | None = None) -> None:
-    """Check every manifest entry's size (and, with ``checksums``, its block digests).
-
-    Raises:
-        CheckpointError: naming the missing, resized or damaged file and the offset of the bad block.
-    """
-    for name, e in entries.items():
-        p = os.path.join(folder, name)
-        try:
-            size = os.path.getsize(p)
-        except OSError as ex:
-            raise CheckpointError(f"file listed in the manifest is missing ({ex.strerror})", path=p) from None
-        if size != e["size"]:
-            raise CheckpointError(f"file has {size} bytes, the manifest says {e['size']}", path=p,
-                                  offset=min(size, e["size"]))
-    if not checksums:
-        return
-    work = [(name, b) for name, e in entries.items() for b in range(len(e["digests"]))]
-    run: Callable = pool.map if pool is not None else map
-    for (name, b), got in zip(work, run(lambda nb: _digest_block(os.path.join(folder, nb[0]), nb[1]), work)):
-        want = entries[name]["digests"][b]
-        if got != want:
-            raise CheckpointError(f"checksum mismatch in bytes {b * BLOCK}..{(b + 1) * BLOCK} (digest {got}, "
-                                  f"manifest {want}): the file is damaged", path=os.path.join(folder, name),
-                                  offset=b * BLOCK)
-
-
-def _digest_block(path: str, b: int) -> str:
-    with open(path, "rb", buffering=0) as f:
-        f.seek(b * BLOCK)
-        buf = bytearray(max(0, min(BLOCK, os.fstat(f.fileno()).st_size - b * BLOCK)))
-        n = f.readinto(buf)
-        d = BlockDigest()
-        d.update(memoryview(buf)[:n])
-        return d.hexdigest()
