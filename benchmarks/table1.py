@@ -496,7 +496,7 @@ def _link_copy(src: str, dst: str, files: dict[str, int]) -> None:
 
 # --- the parent: build, measure every (row, op), render ----------------------------------------------
 @functools.cache
-def _python(env: str) -> tuple[str | None, str]:
+def python_for(env: str) -> tuple[str | None, str]:
     if env == "main":
         return (MAIN_PY if os.path.exists(MAIN_PY) else sys.executable), ""
     if os.path.exists(MLDF_PY):
@@ -510,7 +510,7 @@ def _python(env: str) -> tuple[str | None, str]:
 
 def measure(row: Row, op: str, workdir: str, meta: dict, timeout: float) -> dict:
     """Run one (row, op) in a fresh child process; the result or the reason it failed."""
-    py, why = _python(row.env)
+    py, why = python_for(row.env)
     if py is None:
         return {"op": op, "error": why}
     files = meta["files"][row.data]
@@ -566,7 +566,7 @@ def load_or_build(workdir: str, n: int, seed: int, rebuild: bool = False) -> dic
         return json.load(f)
 
 
-def _best(runs: list[dict]) -> dict:
+def best_of(runs: list[dict]) -> dict:
     """The fastest of repeated runs (its peak RSS with it); any failure wins over success, marked."""
     failed = [r for r in runs if "error" in r]
     if failed:
@@ -594,7 +594,7 @@ def run_table(n: int, seed: int, workdir: str, only: str | None = None, timeout:
                     (f"{r['rate']:10.0f}/s  peak {r['peak_rss'] / MIB:7.0f} MiB" if "error" not in r
                      else f"FAILED: {r['error']}"))
     table = [{**asdict(row), "storage": meta["storage"][row.data],
-              "results": {op: _best(runs[(row.key, op)]) for op in OPS}} for row in rows]
+              "results": {op: best_of(runs[(row.key, op)]) for op in OPS}} for row in rows]
     return {"n": n, "seed": seed, "repeat": repeat, "key_path": meta["key_path"],
             "build_seconds": meta["build_seconds"], "digest_rate": meta.get("digest_rate"),
             "loadavg": {"start": load_start, "end": os.getloadavg()}, "rows": table}

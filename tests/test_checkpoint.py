@@ -356,7 +356,7 @@ def test_cuda_model_non_blocking_save_and_restore(tmp_path):
     before = {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
     ck = Checkpointer(tmp_path)
     ck.save(1, model=m, optimizer=opt, blocking=False)
-    assert ck._arena.buf is not None and ck._arena.buf.is_pinned()
+    assert ck.staging_buffer is not None and ck.staging_buffer.is_pinned()
     _train_cuda()  # changes the parameters while the write runs
     ck.wait()
     fresh = TiedLM().cuda()
@@ -409,10 +409,10 @@ def _small_direct_io(monkeypatch) -> list[int]:
     monkeypatch.setattr(io, "DIRECT_MIN", 0)
     monkeypatch.setattr(digest, "BLOCK", 64 << 10)
     monkeypatch.setattr(io, "DIRECT_RUN", 16 << 10)
-    monkeypatch.setattr(io, "_SUM_PIECE", 8 << 10)
+    monkeypatch.setattr(io, "SUM_PIECE", 8 << 10)
     calls: list[int] = []
-    real = io._write_run_direct
-    monkeypatch.setattr(io, "_write_run_direct", lambda fd, off, views: calls.append(off) or real(fd, off, views))
+    real = io.write_run_direct
+    monkeypatch.setattr(io, "write_run_direct", lambda fd, off, views: calls.append(off) or real(fd, off, views))
     return calls
 
 
@@ -583,7 +583,7 @@ def test_descriptors_outlive_every_queued_write_and_enospc_is_a_checkpoint_error
     from torchforge.checkpoint import digest
 
     monkeypatch.setattr(digest, "BLOCK", 64 << 10)  # many blocks per file, written in parallel
-    real = io._write_block
+    real = io.write_block
     seen_closed = []
     calls = itertools.count(1)  # no failure until it is reset to start at 0
 
@@ -599,7 +599,7 @@ def test_descriptors_outlive_every_queued_write_and_enospc_is_a_checkpoint_error
             seen_closed.append(offset)
         return real(fd, offset, views, flusher, flushes)
 
-    monkeypatch.setattr(io, "_write_block", write_block)
+    monkeypatch.setattr(io, "write_block", write_block)
     m, _ = _fresh()
     ck = Checkpointer(tmp_path, direct_io=False, threads=4)
     ck.save(1, model=m)
@@ -675,7 +675,7 @@ def test_pinned_staging_is_sized_to_the_state_not_rounded_up(tmp_path):
     ck.save(1, model=m, blocking=False)
     ck.wait()
     state = sum(t.numel() * t.element_size() for t in m.state_dict().values())
-    assert state <= ck._arena.buf.numel() < state + 4096 and ck._arena.buf.is_pinned()
+    assert state <= ck.staging_buffer.numel() < state + 4096 and ck.staging_buffer.is_pinned()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

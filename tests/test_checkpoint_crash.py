@@ -191,7 +191,7 @@ def _resave_then_crash(root: str, point: str, exchange: bool) -> None:
     import torchforge.checkpoint.checkpointer as mod
 
     if not exchange:  # a system without renameat2(RENAME_EXCHANGE): the two-rename path
-        mod._exchange = lambda a, b: False
+        mod.exchange_paths = lambda a, b: False
     model, opt = _model()
     ck = Checkpointer(root, threads=2)
     for step, value in ((2, 2), (3, 3), (2, 20)):

@@ -6,9 +6,10 @@ import torchforge
 
 
 def test_every_export_resolves_and_all_is_sorted():
-    assert torchforge.__all__ == sorted(torchforge._EXPORTS)
+    assert torchforge.__all__ == sorted(set(torchforge.__all__))
     for name in torchforge.__all__:
         assert getattr(torchforge, name) is not None, name
+        assert name in dir(torchforge), name
 
 
 def test_import_is_lazy():

@@ -75,10 +75,10 @@ def test_measure_in_a_child_gives_a_result_per_op_and_reasons_for_failures(meta,
         assert len(r["rates"]) == 2 and r["rate"] == max(r["rates"])
     # the MLDataForge env missing: the row says why instead of disappearing
     monkeypatch.setattr(table1, "MLDF_PY", os.path.join(workdir, "no-such-python"))
-    table1._python.cache_clear()
+    table1.python_for.cache_clear()
     mldf = next(r for r in table1.ROWS if r.env == "mldf")
     missing = {op: table1.measure(mldf, op, workdir, m, timeout=60) for op in table1.OPS}
-    table1._python.cache_clear()
+    table1.python_for.cache_clear()
     assert all("Python >= 3.12" in r["error"] for r in missing.values())
     result["rows"].append({**table1.asdict(mldf), "storage": m["storage"][mldf.data], "results": missing})
     # a reader that returns other data is caught by the digest (here: one id changed in the file)
@@ -162,7 +162,7 @@ def test_scripts_that_fail_or_are_missing_are_reported(tmp_path):
 def test_best_of_repeats_keeps_the_fastest_and_never_hides_a_failure():
     ok1 = {"rate": 10.0, "peak_rss": 1}
     ok2 = {"rate": 20.0, "peak_rss": 2}
-    assert table1._best([ok1, ok2]) == {"rate": 20.0, "peak_rss": 2, "rates": [10.0, 20.0]}
-    flaky = table1._best([ok1, {"error": "boom"}])
+    assert table1.best_of([ok1, ok2]) == {"rate": 20.0, "peak_rss": 2, "rates": [10.0, 20.0]}
+    flaky = table1.best_of([ok1, {"error": "boom"}])
     assert flaky["error"] == "boom (in 1 of 2 runs)"
-    assert table1._best([{"error": "a"}, {"error": "b"}])["error"] == "a"
+    assert table1.best_of([{"error": "a"}, {"error": "b"}])["error"] == "a"

@@ -148,11 +148,11 @@ def test_patched_reader_keeps_a_bounded_number_of_shards_mapped(write_mds, tmp_p
     most = 0
     for i in order:
         assert same(rows[i], ds[i]) == ""
-        most = max(most, sum(r._shard is not None for r in ds.shards))
+        most = max(most, sum(r.is_open for r in ds.shards))
     assert most == 3  # the budget was reached and never exceeded
     fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
     for r in ds.shards:
-        r._close()
+        r.close()
     if fds is not None:
         assert len(os.listdir("/proc/self/fd")) <= fds - 6  # the three maps held two descriptors each
 

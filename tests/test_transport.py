@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
 import gc
 import math
@@ -133,8 +132,7 @@ def test_tensors_are_views_of_the_slab_and_slab_is_released_on_gc(channel):
     data = {"a": np.arange(1000, dtype=np.float64), "t": torch.ones(30, 4)}
     got = _roundtrip(data, pool, writer)
     assert len(pool) == 1 and pool.free_count == 0
-    base_addr = ctypes.addressof(pool._slabs[next(iter(pool._slabs))].mm)
-    size = pool._slabs[next(iter(pool._slabs))].mapped
+    ((base_addr, size),) = pool.regions()
     assert base_addr <= got["a"].ctypes.data < base_addr + size
     assert base_addr <= got["t"].data_ptr() < base_addr + size
     a = got["a"]

@@ -68,7 +68,7 @@ def _admit(reader: Any) -> None:
                 r._admitted = False
                 victims.append(r)
     for r in victims:
-        r._close()
+        r.close()
 
 
 _original: Any = None
@@ -128,7 +128,13 @@ def _build_reader_class() -> type:
             _admit(self)
             return shard
 
-        def _close(self) -> None:
+        @property
+        def is_open(self) -> bool:
+            """Whether the shard's map and descriptor are open now (they are closed when evicted)."""
+            return self._shard is not None
+
+        def close(self) -> None:
+            """Drop the map and descriptor (the next access reopens them)."""
             with self._lock:
                 self._close_locked()
 
@@ -186,14 +192,14 @@ def _build_reader_class() -> type:
 
         def __del__(self) -> None:
             with contextlib.suppress(Exception):  # half-built reader, or interpreter shutdown
-                self._close()
+                self.close()
 
         def _evict_raw(self) -> int:
-            self._close()
+            self.close()
             return super()._evict_raw()
 
         def evict(self) -> int:
-            self._close()
+            self.close()
             return super().evict()
 
         def __getstate__(self) -> dict[str, Any]:

@@ -280,7 +280,7 @@ class Checkpointer:
                 os.rename(tmp, final)
                 fsync_dir(self.root)
                 return
-            if _exchange(tmp, final):
+            if exchange_paths(tmp, final):
                 fsync_dir(self.root)
                 crash_point("old-step-hidden")
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -462,6 +462,12 @@ class Checkpointer:
             names = {n: (list(get(n).shape), get(n).dtype) for n in stored}
         return export_model(names, get, os.fspath(folder), limit, self._pool, overwrite=overwrite)
 
+    @property
+    def staging_buffer(self) -> torch.Tensor | None:
+        """The CPU buffer snapshots are staged in (page-locked when CUDA is present), None before the first
+        staged save. It is reused save after save and freed by :meth:`close`."""
+        return self._arena.buf
+
     def _resolve(self, step: int | None) -> int:
         """``step``, or the latest committed one, after any save in flight."""
         self.wait()
@@ -608,7 +614,7 @@ _renameat2_fn = _renameat2()
 _AT_FDCWD = -100
 
 
-def _exchange(a: str, b: str) -> bool:
+def exchange_paths(a: str, b: str) -> bool:
     """Swap two paths atomically; False where the system or filesystem cannot."""
     if _renameat2_fn is None:
         return False

@@ -36,15 +36,17 @@ __all__ = [
     "huge_page_buffer",
     "plan_group",
     "split_by_size",
+    "write_block",
     "write_files",
+    "write_run_direct",
 ]
 
 CHUNK = 4 << 20  # hash-then-write run size
 WRITEBACK = True  # start write-back per block (sync_file_range) instead of leaving it all to fsync
 DIRECT_MIN = 16 << 20  # files at least this large are written with O_DIRECT where the filesystem allows it
-DIRECT_RUN = 32 << 20  # bytes per O_DIRECT write (a multiple of _SUM_PIECE that divides digest.BLOCK); large
+DIRECT_RUN = 32 << 20  # bytes per O_DIRECT write (a multiple of SUM_PIECE that divides digest.BLOCK); large
 # writes matter: fewer, larger requests in flight keep the disk busier (figures in benchmarks/RESULTS.md)
-_SUM_PIECE = 1 << 20  # copied and digested at a time (stays in the CPU cache in between)
+SUM_PIECE = 1 << 20  # copied and digested at a time (stays in the CPU cache in between)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 CRASH_AT = "TORCHFORGE_CRASH_AT"
 CRASH_POINTS = ("tmp-created", "data-written", "manifest-written", "before-rename", "after-rename",
@@ -220,13 +222,13 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
             for b, views in enumerate(_blocks(f.views, f.size)):
                 if is_direct:  # runs of a block are written in parallel; the digest is made in order
                     size = min(digest.BLOCK, f.size - b * digest.BLOCK)
-                    runs = [pool.submit(_write_run_direct, fd, b * digest.BLOCK + k * DIRECT_RUN, run)
+                    runs = [pool.submit(write_run_direct, fd, b * digest.BLOCK + k * DIRECT_RUN, run)
                             for k, run in enumerate(_pieces(views, DIRECT_RUN))]
                     queued += runs
                     jobs.append((f.name, lambda runs=runs, size=size: _digest_of_sums(
                         [r.result() for r in runs], size)))
                 else:
-                    fut = pool.submit(_write_block, fd, b * digest.BLOCK, views, flusher, flushes)
+                    fut = pool.submit(write_block, fd, b * digest.BLOCK, views, flusher, flushes)
                     queued.append(fut)
                     jobs.append((f.name, fut.result))
         sums: dict[str, list[str]] = {f.name: [] for f in files}
@@ -304,7 +306,7 @@ def huge_page_buffer(size: int) -> memoryview:
     return memoryview(m)[start: start + size]  # the view keeps the map alive
 
 
-def _write_run_direct(fd: int, offset: int, views: list[memoryview]) -> np.ndarray:
+def write_run_direct(fd: int, offset: int, views: list[memoryview]) -> np.ndarray:
     """Write one run of a file with O_DIRECT: gather it into an aligned buffer (:func:`_take_buffer`) 1 MiB at a
     time, summing each piece's pages while it is in the CPU cache, and write it (the file's last run is
     zero-padded to a whole page; the caller truncates the file). Returns the run's page sums."""
@@ -320,11 +322,11 @@ def _write_run_into(buf: memoryview, fd: int, offset: int, views: list[memoryvie
     n, done, sums = 0, 0, []  # bytes copied, bytes summed, page sums
     for v in views:
         src = np.frombuffer(v, dtype=np.uint8)
-        for i in range(0, len(src), _SUM_PIECE):
-            k = min(_SUM_PIECE, len(src) - i)
+        for i in range(0, len(src), SUM_PIECE):
+            k = min(SUM_PIECE, len(src) - i)
             np.copyto(dst[n: n + k], src[i: i + k])
             n += k
-            if n - done >= _SUM_PIECE:
+            if n - done >= SUM_PIECE:
                 cut = n // PAGE * PAGE
                 sums.append(_page_sums(dst[done: cut]))
                 done = cut
@@ -355,7 +357,7 @@ def _pieces(views: Sequence[memoryview], size: int) -> list[list[memoryview]]:
     return runs
 
 
-def _write_block(fd: int, offset: int, views: list[memoryview], flusher: ThreadPoolExecutor | None,
+def write_block(fd: int, offset: int, views: list[memoryview], flusher: ThreadPoolExecutor | None,
                  flushes: list) -> str:
     """Digest and write one block in cache-sized runs (each run is summed, then written while it is still
     in the CPU cache); then hand the block's write-back to the flusher."""

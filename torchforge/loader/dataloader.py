@@ -113,6 +113,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             for index, why in skipped:
                 log.warning("skipped sample %s: %s", index, why)
 
+    def slab_stats(self) -> dict[str, int]:
+        """The shared-memory slabs batches travel in: ``{"slabs": open, "free": not in use}``, over the
+        loader's pool and, with ``pin_memory`` and persistent workers, their page-locked pool."""
+        pools = [self._slabs] if self._slabs is not None else []
+        res = getattr(self._iterator, "_res", None)
+        if res is not None and res.finalizer.alive and res.pool is not self._slabs:
+            pools.append(res.pool)
+        return {"slabs": sum(len(p) for p in pools), "free": sum(p.free_count for p in pools)}
+
     def close(self) -> None:
         """Stop the persistent workers now (they also stop when the loader is garbage collected)."""
         it, self._iterator = self._iterator, None

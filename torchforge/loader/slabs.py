@@ -116,6 +116,10 @@ class SlabPool:
     def free_count(self) -> int:
         return len(self._free)
 
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, bytes) of every slab mapped in this process: a batch's tensors lie inside them."""
+        return [(ctypes.addressof(s.mm), s.mapped) for s in self._slabs.values() if s.mm is not None]
+
     def acquire(self) -> tuple[int, str]:
         """A free slab (a new one if none is free): its id and the path a worker opens it by."""
         while self._free:
