@@ -263,6 +263,120 @@ def test_every_file_opens_with_the_official_safetensors_reader(store):
     assert shard["emb"].dtype == np.float16 and shard["emb"].shape == (len(shard["id"]), 4)
 
 
+WIDE = {"emb": ((64,), torch.float16), "loss": ((), torch.float32), "tag": ((3,), torch.int8)}
+
+
+def _wide(ids, salt=0):
+    ids = np.asarray(ids, dtype=np.int64)
+    emb = ((ids[:, None] % 1009) + np.arange(64)[None, :] + salt).astype(np.float16)
+    return {"emb": emb, "loss": (ids * 0.25 + salt).astype(np.float32),
+            "tag": np.stack([ids % 100, ids % 7, ids % 3], 1).astype(np.int8)}
+
+
+def test_wide_column_streams_to_its_shard_from_any_input_and_the_files_stay_plain_safetensors(tmp_path):
+    from torchforge.features.inspect import verify_store
+    from torchforge.features.writer import file_digest
+
+    store = FeatureStore(tmp_path / "fs", WIDE, create=True)
+    w = store.writer(shard_size=300 * 143)  # a shard every ~300 rows, mid write() call
+    assert w._stream == "emb"
+    ids = np.random.default_rng(0).permutation(1000).astype(np.int64) * 3 - 500
+    a, b, c, d = ids[:250], ids[250:500], ids[500:900], ids[900:]
+    buf = torch.from_numpy(_wide(a)["emb"]).clone()
+    w.write(a, emb=buf, loss=_wide(a)["loss"], tag=_wide(a)["tag"])  # the stream column from caller memory
+    buf.fill_(-1)  # ... which the caller may reuse at once
+    w.write(b, emb=torch.from_numpy(_wide(b)["emb"]).float().numpy(), loss=_wide(b)["loss"],
+            tag=_wide(b)["tag"])  # float32 rows converted
+    t = torch.from_numpy(np.ascontiguousarray(_wide(c)["emb"].T)).T  # not contiguous
+    assert not t.is_contiguous()
+    w.write(c, emb=t, loss=torch.from_numpy(_wide(c)["loss"]), tag=torch.from_numpy(_wide(c)["tag"]))
+    w.write(d[:0], emb=np.zeros((0, 64), np.float16), loss=np.zeros(0, np.float32), tag=np.zeros((0, 3), np.int8))
+    w.write(d, **_wide(d))
+    assert w.commit() == 1
+    m = store._snap.manifest
+    assert len(m.shards) >= 3 and sum(e.rows for e in m.shards) == 1000
+    for e in m.shards:
+        path = os.path.join(store.path, e.file)
+        assert e.digest == file_digest(path) and e.bytes == os.path.getsize(path)
+        tensors = safetensors.numpy.load_file(path)
+        for k, v in _wide(tensors["id"]).items():
+            assert np.array_equal(tensors[k], v)
+        with open(path, "rb") as f:  # the stream column starts on a page boundary, right after the header
+            n = int.from_bytes(f.read(8), "little")
+            assert (8 + n) % 4096 == 0 and json.loads(f.read(n))["emb"]["data_offsets"][0] == 0
+    assert verify_store(store.path) == (1000, [])
+    q = np.concatenate([ids[::-1], ids[:7]])
+    got = store.get(q)
+    for k, v in _wide(q).items():
+        assert np.array_equal(got[k].numpy(), v), k
+
+
+def test_abort_removes_the_shard_being_streamed(tmp_path):
+    store = FeatureStore(tmp_path / "fs", WIDE, create=True)
+    w = store.writer()
+    w.write(np.arange(10), **_wide(np.arange(10)))
+    assert len(os.listdir(os.path.join(store.path, "shards"))) == 1  # open, under its temporary name
+    w.abort()
+    assert os.listdir(os.path.join(store.path, "shards")) == []
+    w.write(np.arange(5), **_wide(np.arange(5), salt=1))  # the writer goes on after an abort
+    assert w.commit() == 1
+    got = store.get([4, 0])
+    assert np.array_equal(got["emb"].numpy(), _wide([4, 0], salt=1)["emb"])
+
+
+def test_get_across_shards_keeps_order_repeats_and_fills_missing(tmp_path):
+    store = FeatureStore(tmp_path / "fs", WIDE, create=True)
+    for k in range(3):  # three commits, each its own shards
+        w = store.writer(shard_size=64 * 143)
+        ids = np.arange(k, 600, 3)
+        for j in range(0, 200, 50):
+            w.write(ids[j:j + 50], **_wide(ids[j:j + 50]))
+        w.commit()
+    assert len(store._snap.manifest.shards) > 3
+    q = np.array([599, 0, 5, 5, 1, 700, 2, 598, -1, 0])
+    got = store.get(q, missing={"emb": 7, "loss": -1, "tag": 0})
+    known = (q >= 0) & (q < 600)
+    want = _wide(np.where(known, q, 0))
+    assert np.array_equal(got["emb"].numpy()[known], want["emb"][known])
+    assert (got["emb"].numpy()[~known] == 7).all() and (got["loss"].numpy()[~known] == -1).all()
+    assert np.array_equal(got["tag"].numpy()[known], want["tag"][known])
+    assert np.array_equal(store.get(q[known], ["loss"])["loss"].numpy(), want["loss"][known])
+
+
+@settings(max_examples=30, deadline=None)
+@given(ids=st.lists(st.integers(-2**63, 2**63 - 1) | st.integers(-50, 50) | st.integers(2**40, 2**40 + 9),
+                    min_size=1, max_size=200, unique=True),
+       probe=st.lists(st.integers(-2**63, 2**63 - 1) | st.integers(-60, 60), max_size=50))
+def test_index_lookup_finds_exactly_the_ids_it_holds(ids, probe):
+    from torchforge.features.index import IdIndex, write_index
+
+    ids = np.sort(np.array(ids, dtype=np.int64))
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "i.safetensors")
+        size, _ = write_index(path, ids, np.zeros(len(ids), np.int32), np.arange(len(ids)))
+        idx = IdIndex(path, len(ids), size)
+        q = np.concatenate([ids, np.array(probe, dtype=np.int64)])
+        pos, found = idx.lookup(q)
+        assert np.array_equal(found, np.isin(q, ids))
+        assert np.array_equal(ids[pos[found]], q[found])
+        idx.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(parent=st.lists(st.integers(0, 40), unique=True), new=st.lists(st.integers(0, 40), max_size=60))
+def test_overlay_is_last_write_wins(parent, new):
+    from torchforge.features.index import overlay
+
+    p = np.sort(np.array(parent, dtype=np.int64))
+    want = {int(i): (0, r) for r, i in enumerate(p)}
+    for r, i in enumerate(new):
+        want[i] = (1, r)
+    ids, sh, row = overlay(p, np.zeros(len(p), np.int32), np.arange(len(p)), np.array(new, dtype=np.int64),
+                           np.ones(len(new), np.int32), np.arange(len(new)))
+    assert ids.tolist() == sorted(want) and sh.dtype == np.int32 and row.dtype == np.int64
+    assert list(zip(sh.tolist(), row.tolist())) == [want[i] for i in sorted(want)]
+
+
 # --- hostile files -------------------------------------------------------------------------------
 @pytest.fixture
 def written(store):

@@ -8,12 +8,13 @@ The index is an ordinary safetensors file of four 1-D tensors:
 * ``dir`` (I64 [buckets + 1]): ``dir[b]`` is the first position whose id has bucket ``>= b``, where the
   bucket of an id is ``(id - base) >> shift`` (``base``, ``shift`` and ``steps`` in ``__metadata__``).
 
-A lookup of a batch of ids narrows each id to its bucket's range through ``dir`` (one gather) and then
-runs ``steps`` rounds of a binary search over the whole batch at once: every round is a handful of numpy
-operations on the batch, whose memory loads are independent of each other (``np.searchsorted`` probes
-one id after the other). ``shift`` is chosen so that buckets hold about two ids on average; ``steps``
-is the bit length of the fullest bucket, so skewed ids cost more rounds but never a wrong answer. Where
-``steps`` is large the batch is sorted and handed to ``np.searchsorted`` instead.
+A lookup of a batch of ids narrows each id to its bucket through ``dir`` (one gather) and then
+counts, in ``steps`` rounds over the whole batch at once, how many ids of the bucket are smaller
+(binary lifting: every round is one gather and three element-wise numpy operations, and the memory
+loads of a round are independent of each other, where ``np.searchsorted`` probes one id after the
+other). ``shift`` is chosen so that buckets hold about two ids on average; ``steps`` is the bit length
+of the fullest bucket, so skewed ids cost more rounds but never a wrong answer. Where ``steps`` is
+large the batch is sorted and handed to ``np.searchsorted`` instead.
 
 Every process maps the file read-only: nothing is rebuilt per process and no Python dict of ids
 exists. Values read from the file are never trusted for memory safety: positions are clipped to the
@@ -27,10 +28,12 @@ import os
 import numpy as np
 import torch
 
+from torchforge.checkpoint.digest import BlockDigest
 from torchforge.errors import CorruptShardError
-from torchforge.formats.safetensors import parse_header, save_safetensors
+from torchforge.features.layout import temp_name
+from torchforge.formats.safetensors import as_bytes, fsync_dir, parse_header, plan, write_all
 
-__all__ = ["IdIndex", "overlay", "write_index"]
+__all__ = ["IdIndex", "last_writes", "merge", "overlay", "write_index"]
 
 INDEX_FORMAT = "torchforge-feature-index"
 _BUCKET_FILL = 2  # ids per bucket on average
@@ -38,23 +41,41 @@ _MAX_ROUNDS = 10  # beyond this many rounds np.searchsorted is faster
 _SPEC = {"id": ("I64", np.int64), "shard": ("I32", np.int32), "row": ("I64", np.int64), "dir": ("I64", np.int64)}
 
 
+def last_writes(ids: np.ndarray, shard: np.ndarray, row: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sorted unique ``ids`` with the location of each id's last occurrence (the last write wins)."""
+    order = np.argsort(ids)  # the fast unstable sort: right unless an id repeats
+    s = ids[order]
+    last = np.ones(len(s), dtype=bool)
+    np.not_equal(s[1:], s[:-1], out=last[:-1])
+    if not last.all():  # repeats: the stable order says which occurrence was written last
+        order = np.argsort(ids, kind="stable")
+        s = ids[order]
+    pick = order[last]  # the last of each run of equal ids is the last written
+    return s[last], shard[pick], row[pick]
+
+
+def merge(ids: np.ndarray, shard: np.ndarray, row: np.ndarray, new_ids: np.ndarray, new_shard: np.ndarray,
+          new_row: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A parent index overlaid by the sorted unique ``new_ids`` (see :func:`last_writes`): an id in
+    ``new_ids`` takes its new location, every other id keeps its parent location. Both inputs are
+    sorted runs, which a stable sort merges in linear time; an id in both is then a pair, parent first."""
+    every = np.concatenate([ids, new_ids])
+    order = np.argsort(every, kind="stable")
+    s = every[order]
+    keep = np.ones(len(s), dtype=bool)
+    np.not_equal(s[1:], s[:-1], out=keep[:-1])  # of an id in both, keep the second (new) one
+    if not keep.all():
+        order, s = order[keep], s[keep]
+    return (s, np.concatenate([shard, new_shard]).astype(np.int32, copy=False)[order],
+            np.concatenate([row, new_row]).astype(np.int64, copy=False)[order])
+
+
 def overlay(ids: np.ndarray, shard: np.ndarray, row: np.ndarray, new_ids: np.ndarray, new_shard: np.ndarray,
             new_row: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A parent index overlaid by new rows: an id in ``new_ids`` takes its last new location (last write
     wins), every other id keeps its parent location. Returns sorted ``(ids, shard, row)``."""
-    order = np.argsort(new_ids, kind="stable")
-    s = new_ids[order]
-    last = np.ones(len(s), dtype=bool)
-    last[:-1] = s[1:] != s[:-1]  # the last of each run of equal ids is the last written
-    pick = order[last]
-    nid, nsh, nrw = s[last], new_shard[pick], new_row[pick]
-    if len(ids) and len(nid):
-        pos = np.minimum(np.searchsorted(nid, ids), len(nid) - 1)
-        keep = nid[pos] != ids
-        ids, shard, row = ids[keep], shard[keep], row[keep]
-    all_ids = np.concatenate([ids, nid])
-    order = np.argsort(all_ids, kind="stable")  # two sorted runs: timsort merges them in linear time
-    return all_ids[order], np.concatenate([shard, nsh])[order], np.concatenate([row, nrw])[order]
+    return merge(ids, shard, row, *last_writes(new_ids, new_shard, new_row))
 
 
 def _directory(ids: np.ndarray) -> tuple[np.ndarray, int, int, int]:
@@ -68,21 +89,41 @@ def _directory(ids: np.ndarray) -> tuple[np.ndarray, int, int, int]:
         shift -= 1
     shift = min(shift, 63)
     off = ids.view(np.uint64) - np.uint64(base % 2**64)  # wraps exactly as ids - base does in 64 bits
-    buckets = off >> np.uint64(shift)
     nb = (span >> shift) + 1
-    d = np.searchsorted(buckets, np.arange(nb + 1, dtype=np.uint64)).astype(np.int64)
-    steps = int(np.diff(d).max()).bit_length()
+    counts = np.bincount((off >> np.uint64(shift)).view(np.int64), minlength=nb)  # ids per bucket
+    d = np.zeros(nb + 1, np.int64)
+    np.cumsum(counts, out=d[1:])
+    steps = int(counts.max()).bit_length()
     return d, base, shift, steps
 
 
-def write_index(path: str, ids: np.ndarray, shard: np.ndarray, row: np.ndarray) -> None:
-    """Write (and fsync) the index of sorted unique ``ids``."""
+def write_index(path: str, ids: np.ndarray, shard: np.ndarray, row: np.ndarray) -> tuple[int, str]:
+    """Write (and fsync) the index of sorted unique ``ids``; returns its size and digest (computed from
+    memory on the way, so the file is never read back)."""
     d, base, shift, steps = _directory(ids)
     meta = {"format": INDEX_FORMAT, "version": "1", "base": str(base), "shift": str(shift), "steps": str(steps)}
     tensors = {"id": torch.from_numpy(np.ascontiguousarray(ids, np.int64)),
                "shard": torch.from_numpy(np.ascontiguousarray(shard, np.int32)),
                "row": torch.from_numpy(np.ascontiguousarray(row, np.int64)), "dir": torch.from_numpy(d)}
-    save_safetensors(tensors, path, meta, fsync=True)
+    head, layout = plan(tensors, meta)
+    views = [memoryview(head)] + [as_bytes(t) for _, t, _ in layout]
+    digest = BlockDigest()
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = temp_name(folder, "index", ".safetensors")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write_all(fd, views, 0)
+        for v in views:
+            digest.update(v)
+        os.fsync(fd)
+        os.close(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.rename(tmp, path)
+    fsync_dir(folder)
+    return sum(len(v) for v in views), digest.hexdigest()
 
 
 class IdIndex:
@@ -140,22 +181,19 @@ class IdIndex:
             nb = len(self.dir) - 1
             b = (q.view(np.uint64) - np.uint64(self.base % 2**64)) >> np.uint64(self.shift)
             np.minimum(b, np.uint64(nb - 1), out=b)  # outside the range: any bucket, the id check says no
-            b = b.view(np.int64)
-            lo, hi = np.take(self.dir, b), np.take(self.dir, b + 1)
+            lo = np.take(self.dir, b.view(np.int64), mode="clip")
             np.clip(lo, 0, n, out=lo)  # a lying directory narrows wrongly but never out of bounds
-            np.clip(hi, 0, n, out=hi)
-            last = n - 1
-            for _ in range(self.steps):
-                mid = lo + hi
-                mid >>= 1
-                np.minimum(mid, last, out=mid)
-                less = np.take(self.ids, mid) < q
-                active = lo < hi
-                lo = np.where(less & active, mid + 1, lo)
-                hi = np.where(active & ~less, mid, hi)
-            pos = lo
+            # count the ids of the bucket below q, one bit per round from the highest: ids past the bucket
+            # are above q (sorted), so the count never runs past it and needs no upper bound
+            first = lo - 1
+            count = np.zeros(len(q), np.int64)
+            for bit in range(self.steps - 1, -1, -1):
+                t = count + (1 << bit)
+                below = np.take(self.ids, first + t, mode="clip") < q
+                count = np.where(below, t, count)
+            pos = lo + count
         np.minimum(pos, n - 1, out=pos)
-        return pos, np.take(self.ids, pos) == q
+        return pos, np.take(self.ids, pos, mode="clip") == q
 
     def close(self) -> None:
         self.ids = self.shard = self.row = self.dir = None  # type: ignore[assignment]

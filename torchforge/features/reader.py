@@ -4,12 +4,17 @@ A :class:`Snapshot` maps the version's index at once and each shard the first ti
 (read-only ``mmap``; the header validated by the safetensors parser, the size against the manifest,
 the tensors against the schema). :meth:`Snapshot.gather` finds the batch's positions in the index (see
 :mod:`torchforge.features.index`), checks each location it will read (shard number and row inside the
-shard: a lying index is a CorruptShardError, never a read outside a file) and copies rows with
-``torch.index_select`` (one memcpy per row) into output tensors made by
-:func:`torchforge.loader.collate.empty`, which in a torchforge DataLoader worker are the batch's
-shared-memory slab. Rows of one shard go straight into the output when the whole batch lies in that
-shard; otherwise each shard's rows are taken together into a scratch block (in shard order) and one
-more ``index_select`` puts them in the batch's order.
+shard: a lying index is a CorruptShardError, never a read outside a file) and copies rows into output
+tensors made by :func:`torchforge.loader.collate.empty`, which in a torchforge DataLoader worker are the
+batch's shared-memory slab.
+
+Every copy is one ``np.take`` per column over the mapped column viewed as one item per row (``uint32``
+for a 4-byte row, ``V512`` for a 512-byte one): a single vectorised gather, with ``mode="clip"`` since
+the rows are checked already (the default mode buffers the whole output to stay atomic). numpy runs
+it on the calling thread; torch's ``index_select`` would fan out to its intra-op threads, which on a
+busy machine makes it many times slower, not faster. Rows of one shard go straight into the output
+when the whole batch lies in that shard; otherwise each shard's rows are taken together into a
+scratch block (in shard order) and one more take puts them in the batch's order.
 """
 from __future__ import annotations
 
@@ -43,8 +48,17 @@ class MissingIdsError(TorchforgeError, KeyError):
         super().__init__(reason, path=path)
 
 
+def _items(a: np.ndarray, width: int) -> np.ndarray:
+    """A C-contiguous uint8 ``(rows, width)`` array as a 1-D array of one item per row."""
+    return a.view(_ITEM.get(width) or np.dtype((np.void, width))).reshape(len(a))
+
+
+_ITEM = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
+
+
 class _Shard:
-    """One shard mapped: ``cols[name]`` is a uint8 ``(rows, row_bytes)`` tensor view of the column."""
+    """One shard mapped: ``cols[name]`` is a 1-D numpy array of the column, one item per row (see
+    :func:`_items`); None for a column of empty rows."""
 
     def __init__(self, root: str, entry: ShardEntry, schema: Schema):
         path = os.path.join(root, entry.file)
@@ -57,23 +71,20 @@ class _Shard:
                 raise CorruptShardError(f"the shard has {size} bytes, the manifest says {entry.bytes} "
                                         f"({'truncated' if size < entry.bytes else 'grown'})", path=path,
                                         offset=min(size, entry.bytes))
-            # private and writable (as SafetensorsFile): torch takes the views without a copy or a
-            # warning, and a stray write would copy the page, never reach the file
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         n, infos, _ = parse_header(memoryview(self._mm), size, path)
         self.rows = entry.rows
         want = {"id": ("I64", (entry.rows,), 8)}
         want.update({c: (col.code, (entry.rows, *col.shape), col.row_bytes) for c, col in schema.items()})
-        self.cols: dict[str, torch.Tensor] = {}
+        self.cols: dict[str, np.ndarray | None] = {}
         for name, (code, shape, width) in want.items():
             info = infos.get(name)
             if info is None or info.dtype != code or info.shape != shape:
                 raise CorruptShardError(f"tensor {name!r} should be {code} {list(shape)} (manifest rows and "
                                         f"schema), the shard has {info}", path=path, offset=8)
             count = info.end - info.start
-            a = torch.frombuffer(self._mm, dtype=torch.uint8, count=count, offset=8 + n + info.start) if count \
-                else torch.zeros(0, dtype=torch.uint8)
-            self.cols[name] = a.view(entry.rows, width)
+            self.cols[name] = _items(np.frombuffer(self._mm, np.uint8, count, 8 + n + info.start).reshape(
+                entry.rows, width), width) if count else None
 
 
 class Snapshot:
@@ -100,7 +111,8 @@ class Snapshot:
     def gather(self, q: np.ndarray, columns: list[str], missing: Any) -> dict[str, torch.Tensor]:
         n = len(q)
         out = {c: collate.empty((n, *self.schema[c].shape), self.schema[c].dtype) for c in columns}
-        views = {c: _rows_view(t, n) for c, t in out.items()}
+        items = {c: _items(_rows_view(t, n), self.schema[c].row_bytes) for c, t in out.items()
+                 if self.schema[c].row_bytes and n}
         if self.index is not None:
             pos, found = self.index.lookup(q)
         else:
@@ -113,66 +125,64 @@ class Snapshot:
                                       f"{q[miss[:_SHOWN]].tolist()}{' ...' if len(miss) > _SHOWN else ''}; "
                                       "pass missing= to fill a default", ids=q[miss].tolist(),
                                       version=self.version, path=self.root)
-            for c in columns:
-                views[c].numpy()[miss] = _default_row(missing, c, self.schema)
+            for c, a in items.items():
+                a[miss] = _items(_default_row(missing, c, self.schema)[None], self.schema[c].row_bytes)[0]
             pos = pos[hit]
-        if len(pos):
-            self._copy(pos, hit, views, columns)
+        if len(pos) and items:
+            self._copy(pos, hit, items)
         return out
 
-    def _copy(self, pos: np.ndarray, hit: np.ndarray | None, views: dict[str, torch.Tensor],
-              columns: list[str]) -> None:
-        sh = self.index.shard[pos]
-        rw = self.index.row[pos]
+    def _copy(self, pos: np.ndarray, hit: np.ndarray | None, items: dict[str, np.ndarray]) -> None:
+        sh = np.take(self.index.shard, pos, mode="clip")  # pos < len(index), from lookup
+        rw = np.take(self.index.row, pos, mode="clip")
         k_lo, k_hi = int(sh.min()), int(sh.max())
         if k_lo < 0 or k_hi >= len(self._shards):
             raise CorruptShardError(f"the index names shard {k_lo if k_lo < 0 else k_hi}; the manifest lists "
                                     f"{len(self._shards)}", path=self.index.path)
         if k_lo == k_hi:  # one shard: rows go straight into the output
-            rows = self._checked_rows(k_lo, rw)
-            for c in columns:
-                src = self.shard(k_lo).cols[c]
+            self._check_rows(k_lo, rw)
+            cols = self.shard(k_lo).cols
+            for c, dst in items.items():
                 if hit is None:
-                    torch.index_select(src, 0, rows, out=views[c])
+                    np.take(cols[c], rw, out=dst, mode="clip")
                 else:
-                    views[c].numpy()[hit] = torch.index_select(src, 0, rows).numpy()
+                    dst[hit] = np.take(cols[c], rw, mode="clip")
             return
         # several shards: take each shard's rows together (in shard order), then put them in place
         order = np.argsort(sh.astype(np.int16) if k_hi < 2**15 else sh, kind="stable")
         sh_sorted = sh[order]
         rw_sorted = rw[order]
         cuts = [0, *(np.flatnonzero(sh_sorted[1:] != sh_sorted[:-1]) + 1).tolist(), len(order)]
-        groups = [(int(sh_sorted[a]), a, b, self._checked_rows(int(sh_sorted[a]), rw_sorted[a:b]))
-                  for a, b in itertools.pairwise(cuts)]
+        groups = []
+        for a, b in itertools.pairwise(cuts):
+            k = int(sh_sorted[a])
+            self._check_rows(k, rw_sorted[a:b])
+            groups.append((self.shard(k).cols, a, b))
         inv = np.empty(len(order), np.int64)
         inv[order] = np.arange(len(order))
-        inv_t = torch.from_numpy(inv)
-        for c in columns:
-            tmp = torch.empty((len(order), views[c].shape[1]), dtype=torch.uint8)
-            for k, a, b, rows in groups:
-                torch.index_select(self.shard(k).cols[c], 0, rows, out=tmp[a:b])
+        for c, dst in items.items():
+            tmp = np.empty(len(order), dst.dtype)
+            for cols, a, b in groups:
+                np.take(cols[c], rw_sorted[a:b], out=tmp[a:b], mode="clip")
             if hit is None:
-                torch.index_select(tmp, 0, inv_t, out=views[c])
+                np.take(tmp, inv, out=dst, mode="clip")
             else:
-                views[c].numpy()[hit] = tmp.numpy()[inv]
+                dst[hit] = tmp[inv]
 
-    def _checked_rows(self, k: int, rows: np.ndarray) -> torch.Tensor:
+    def _check_rows(self, k: int, rows: np.ndarray) -> None:
         n = self.shard(k).rows
         if len(rows) and (rows.min() < 0 or rows.max() >= n):
             raise CorruptShardError(f"the index points at row {int(rows.max())} of shard {k}, which has {n} rows",
                                     path=self.index.path)
-        return torch.from_numpy(rows)
 
     def ids(self) -> np.ndarray:
         """Every id of the version, sorted (a read-only view of the mapped index)."""
         return self.index.ids if self.index is not None else np.zeros(0, np.int64)
 
 
-def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
-    """A uint8 ``(n, row_bytes)`` view of an output tensor."""
-    if t.numel() == 0:
-        return torch.zeros((n, 0), dtype=torch.uint8)
-    return t.reshape(-1).view(torch.uint8).view(n, -1)
+def _rows_view(t: torch.Tensor, n: int) -> np.ndarray:
+    """A uint8 ``(n, row_bytes)`` numpy view of an output tensor."""
+    return t.reshape(-1).view(torch.uint8).numpy().reshape(n, -1)
 
 
 def _default_row(missing: Any, name: str, schema: Schema) -> np.ndarray:

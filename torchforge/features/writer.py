@@ -1,16 +1,26 @@
 """The write path: a writer appends rows to its own shards and publishes them as one version.
 
 Every writer (one per rank, or several per process) has a random name and writes only files that
-carry it, so writers never contend for a file and hold no lock. ``write()`` copies the rows into the
-writer's buffer (from any device, converting to the column's dtype); once the buffer reaches
-``shard_size`` it goes to disk as one safetensors shard (written from the buffers with ``pwritev``,
-digested on the way, fsynced, then renamed from its temporary name).
+carry it, so writers never contend for a file and hold no lock. A shard is one safetensors file::
+
+    [8-byte length][header JSON, space-padded to a 4 KiB boundary][stream column][id][other columns]
+
+The *stream column* is the widest column (the embedding, typically): ``write()`` sends its rows
+straight from the caller's tensor to the open shard file (``pwrite``, no copy in between unless the
+rows need a dtype or device conversion), digesting each piece just before the write, while the piece
+is in cache. Its place is known before the row count is, because it comes first and the header has a
+fixed, padded size. The narrow columns and ids are copied into small buffers and written after it
+when the shard is complete (``shard_size`` bytes, or ``commit()``); then the header goes to page 0.
+The digest (:class:`torchforge.checkpoint.digest.BlockDigest` of the whole file) is finished from
+the kept page sums, so no byte is read back; the fsync and the rename from the temporary name run
+on a background thread while the writer goes on.
 
 ``commit()`` is optimistic and not a collective:
 
-1. flush the buffer; read the newest version N (or none);
-2. overlay N's id index with this writer's rows (last write wins, see :func:`index.overlay`), drop
-   shards no id points to any more, write and fsync the new index;
+1. complete the shard; sort this commit's ids; read the newest version N (or none);
+2. merge N's id index with this writer's rows (last write wins, see :func:`index.overlay`), drop
+   shards no id points to any more, write and fsync the new index (all while the shards are fsynced
+   in the background), then wait for the shards;
 3. write the manifest of N + 1 to a temporary file, fsync it, and ``os.link`` it to ``v-N+1.json``.
    The link fails if another committer took N + 1 first; then go back to 2 on top of that version.
 
@@ -20,17 +30,20 @@ manifest names, which readers never look at.
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
+import struct
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 import torch
 
-from torchforge.checkpoint.digest import BlockDigest
+from torchforge.checkpoint.digest import PAGE, BlockDigest, _digest_of_sums, _page_sums
 from torchforge.errors import FormatError, TorchforgeError
-from torchforge.features.index import IdIndex, overlay, write_index
+from torchforge.features.index import IdIndex, last_writes, merge, write_index
 from torchforge.features.layout import (
     INDEX,
     SHARDS,
@@ -42,7 +55,7 @@ from torchforge.features.layout import (
     schema_to_json,
     temp_name,
 )
-from torchforge.formats.safetensors import as_bytes, fsync_dir, plan, write_all
+from torchforge.formats.safetensors import as_bytes, fsync_dir, write_all
 from torchforge.sizes import parse_size
 
 if TYPE_CHECKING:
@@ -74,6 +87,90 @@ def _rank(rank: int | None) -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+_PIECE = 4 << 20  # bytes of a stream column digested then written at a time (still in cache for the write)
+_STREAM_MIN = 64  # row bytes from which a column is streamed rather than buffered
+
+
+class _PageSums:
+    """:class:`BlockDigest`'s page sums of a file from its second page on, kept rather than hashed: the
+    first page (the header) is known last, and the digest hashes the sums in file order."""
+
+    def __init__(self) -> None:
+        self.sums: list[np.ndarray] = []
+        self.tail = bytearray()  # bytes of a page not yet complete
+        self.n = 0
+
+    def update(self, v: memoryview) -> None:
+        self.n += len(v)
+        pos = 0
+        if self.tail:
+            pos = min(PAGE - len(self.tail), len(v))
+            self.tail += v[:pos]
+            if len(self.tail) < PAGE:
+                return
+            self.sums.append(_page_sums(np.frombuffer(self.tail, np.uint8)))
+            self.tail = bytearray()
+        full = (len(v) - pos) // PAGE * PAGE
+        if full:
+            self.sums.append(_page_sums(np.frombuffer(v[pos:pos + full], np.uint8)))
+        self.tail += v[pos + full:]
+
+    def hexdigest(self, head: bytes) -> str:
+        """The digest of ``head`` (whole pages) followed by the bytes seen."""
+        sums = [_page_sums(np.frombuffer(head, np.uint8)), *self.sums]
+        if self.tail:
+            sums.append(_page_sums(np.frombuffer(bytes(self.tail) + bytes(-len(self.tail) % PAGE), np.uint8)))
+        return _digest_of_sums(sums, len(head) + self.n)
+
+
+class _OpenShard:
+    """The shard being written: its temporary file, the stream column's bytes so far, the page sums."""
+
+    def __init__(self, folder: str, stem: str, data_start: int):
+        self.tmp = temp_name(folder, stem, ".safetensors")
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.end = data_start  # where the next stream bytes go
+        self.sums = _PageSums()
+
+    def stream(self, data: memoryview) -> None:
+        for a in range(0, len(data), _PIECE):
+            piece = data[a:a + _PIECE]
+            self.sums.update(piece)
+            write_all(self.fd, [piece], self.end)
+            self.end += len(piece)
+
+    def discard(self) -> None:
+        os.close(self.fd)
+        os.unlink(self.tmp)
+
+
+def _host(v: torch.Tensor, dtype: torch.dtype, copy: bool) -> torch.Tensor:
+    """``v`` as a contiguous CPU tensor of ``dtype``: ``v`` itself where it is one and ``copy`` is False,
+    else a new tensor (same-dtype CPU rows are copied by numpy, which never starts torch's thread pool:
+    on a busy machine a parallel ``copy_`` can take a hundred times longer)."""
+    plain = v.device.type == "cpu" and v.dtype == dtype and v.is_contiguous() and not (v.is_conj() or v.is_neg())
+    if plain and not copy:
+        return v
+    buf = torch.empty(v.shape, dtype=dtype)
+    if plain and v.numel():
+        np.copyto(buf.reshape(-1).view(torch.uint8).numpy(), v.reshape(-1).view(torch.uint8).numpy())
+    elif v.numel():
+        buf.copy_(v)
+    return buf
+
+
+def _finish(fd: int, tmp: str, path: str) -> None:
+    """fsync, close and name a complete shard (on the writer's background thread)."""
+    try:
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.rename(tmp, path)
+
+
 class FeatureWriter:
     """Appends rows to a :class:`~torchforge.FeatureStore`; made by :meth:`FeatureStore.writer`.
 
@@ -82,7 +179,7 @@ class FeatureWriter:
     Args:
         store: the store.
         rank: recorded in the manifest and shard metadata (default: the torch.distributed rank, else 0).
-        shard_size: buffered bytes after which a shard is written (an int or ``"256MiB"``).
+        shard_size: bytes of rows after which a shard is completed (an int or ``"256MiB"``).
     """
 
     def __init__(self, store: FeatureStore, rank: int | None = None, shard_size: int | str = "256MiB"):
@@ -92,20 +189,44 @@ class FeatureWriter:
         self.rank = _rank(rank)
         self.name = uuid.uuid4().hex[:16]
         self.shard_size = parse_size(shard_size, option="shard_size")
+        self._meta = {"format": SHARD_FORMAT, "version": "1", "rank": str(self.rank), "writer": self.name}
+        # the stream column: the widest, if wide enough and a multiple of every alignment (so the columns
+        # after it stay aligned); then "id" and the buffered columns, widest dtype first (as safetensors)
+        widths = {"id": 8, **{c: col.dtype.itemsize for c, col in self.schema.items()}}
+        align = max(widths.values())
+        wide = [c for c, col in self.schema.items() if col.row_bytes >= _STREAM_MIN and col.row_bytes % align == 0]
+        self._stream = max(wide, key=lambda c: self.schema[c].row_bytes) if wide else None
+        self._order = sorted((c for c in widths if c != self._stream), key=lambda c: (-widths[c], c))
+        self._data_start = -(-(8 + len(self._header(10**15))) // PAGE) * PAGE  # any real row count fits
         self._ids: list[np.ndarray] = []
-        self._cols: dict[str, list[torch.Tensor]] = {c: [] for c in self.schema}
+        self._cols: dict[str, list[torch.Tensor]] = {c: [] for c in self.schema if c != self._stream}
+        self._open: _OpenShard | None = None
+        self._rows = 0
         self._buffered = 0
         self._written: list[tuple[ShardEntry, np.ndarray]] = []  # this commit's shards and their ids
+        self._pending: list[Future] = []  # shards being fsynced and named
+        self._pool: ThreadPoolExecutor | None = None
         self._shard_no = 0
         self._commit_no = 0
         self._closed = False
+
+    def _header(self, rows: int) -> bytes:
+        """The header JSON of a shard of ``rows`` rows (unpadded)."""
+        head: dict[str, Any] = {"__metadata__": self._meta}
+        pos = 0
+        for name in ([self._stream] if self._stream else []) + self._order:
+            code, shape, width = ("I64", (), 8) if name == "id" else (
+                self.schema[name].code, self.schema[name].shape, self.schema[name].row_bytes)
+            head[name] = {"dtype": code, "shape": [rows, *shape], "data_offsets": [pos, pos + rows * width]}
+            pos += rows * width
+        return json.dumps(head, separators=(",", ":")).encode()
 
     # --- writing -----------------------------------------------------------------------------------
     def write(self, ids: Any, **columns: Any) -> None:
         """Append rows: ``ids`` (n int64) and every column as an ``(n, *shape)`` tensor or array.
 
-        Values are copied (a device tensor straight into the writer's host buffer) and converted to the
-        column's dtype; the caller may reuse its buffers at once.
+        Values are converted to the column's dtype (a device tensor copied to the host) and are in the
+        shard file or the writer's buffers when this returns: the caller may reuse its buffers at once.
         """
         self._check_open()
         arr = as_ids(ids)
@@ -123,56 +244,68 @@ class FeatureWriter:
             if tuple(v.shape) != (n, *col.shape):
                 raise ValueError(f"column {name!r} has shape {tuple(v.shape)}, expected {(n, *col.shape)} "
                                  f"for {n} ids")
-            buf = torch.empty((n, *col.shape), dtype=col.dtype)
-            buf.copy_(v.detach())
-            rows[name] = buf
+            rows[name] = _host(v.detach(), col.dtype, copy=name != self._stream)
+        if n == 0:
+            return
+        if self._open is None:
+            self._open = _OpenShard(os.path.join(self.root, SHARDS), self.name, self._data_start)
+        if self._stream is not None:
+            self._open.stream(as_bytes(rows.pop(self._stream)))
         self._ids.append(arr.copy())
         for name, buf in rows.items():
             self._cols[name].append(buf)
+        self._rows += n
         self._buffered += n * (8 + sum(c.row_bytes for c in self.schema.values()))
         if self._buffered >= self.shard_size:
             self.flush()
 
     def flush(self) -> None:
-        """Write the buffered rows to a new shard now (they stay invisible until :meth:`commit`)."""
+        """Complete the current shard now (its rows stay invisible until :meth:`commit`)."""
         self._check_open()
-        ids = np.concatenate(self._ids) if self._ids else np.zeros(0, np.int64)
-        n = len(ids)
-        if n == 0:
-            self._ids = []
-            self._cols = {c: [] for c in self.schema}
+        shard, n = self._open, self._rows
+        if shard is None:
             return
-        placeholders = {"id": torch.empty((), dtype=torch.int64).expand(n)}
-        for name, col in self.schema.items():
-            placeholders[name] = torch.empty((), dtype=col.dtype).expand(n, *col.shape)
-        meta = {"format": SHARD_FORMAT, "version": "1", "writer": self.name, "rank": str(self.rank)}
-        head, layout = plan(placeholders, meta)
-        views = [memoryview(head)]
-        for name, _, _ in layout:
-            parts = [torch.from_numpy(ids)] if name == "id" else self._cols[name]
-            views += [as_bytes(t) for t in parts]
-        rel = f"{SHARDS}/{self.name}-{self._shard_no}.safetensors"
-        folder = os.path.join(self.root, SHARDS)
-        tmp = temp_name(folder, self.name, ".safetensors")
-        digest = BlockDigest()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        ids = np.concatenate(self._ids) if self._ids else np.zeros(0, np.int64)
         try:
-            write_all(fd, views, 0)
+            views = [as_bytes(torch.from_numpy(ids)) if name == "id" else as_bytes(t)
+                     for name in self._order for t in ([None] if name == "id" else self._cols[name])]
+            write_all(shard.fd, views, shard.end)
             for v in views:
-                digest.update(v)
-            size = sum(len(v) for v in views)
-            os.fsync(fd)
+                shard.sums.update(v)
+            hb = self._header(n)
+            head = struct.pack("<Q", self._data_start - 8) + hb + b" " * (self._data_start - 8 - len(hb))
+            write_all(shard.fd, [memoryview(head)], 0)
+            entry = ShardEntry(f"{SHARDS}/{self.name}-{self._shard_no}.safetensors",
+                               self._data_start + shard.sums.n, n, shard.sums.hexdigest(head))
         except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
+            self._drop_open()
             raise
-        os.close(fd)
-        os.rename(tmp, os.path.join(self.root, rel))
-        self._written.append((ShardEntry(rel, size, n, digest.hexdigest()), ids))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="torchforge-feature-writer")
+        self._pending.append(self._pool.submit(_finish, shard.fd, shard.tmp, os.path.join(self.root, entry.file)))
+        self._written.append((entry, ids))
         self._shard_no += 1
+        self._open = None
+        self._drop_open()
+
+    def _drop_open(self) -> None:
+        """Forget the buffered rows (and discard the open shard file, if still open)."""
+        if self._open is not None:
+            self._open.discard()
+            self._open = None
         self._ids = []
-        self._cols = {c: [] for c in self.schema}
+        self._cols = {c: [] for c in self.schema if c != self._stream}
+        self._rows = 0
         self._buffered = 0
+
+    def _wait(self) -> None:
+        """Wait until every completed shard is fsynced and named; raise the first failure."""
+        pending, self._pending = self._pending, []
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for f in pending:
+            f.result()
 
     # --- publishing --------------------------------------------------------------------------------
     def commit(self) -> int:
@@ -181,9 +314,13 @@ class FeatureWriter:
         Not a collective: each rank commits when it likes, and concurrent commits each get a version.
         """
         self.flush()
-        fsync_dir(os.path.join(self.root, SHARDS))
         mine = [e for e, _ in self._written]
-        new_ids = np.concatenate([ids for _, ids in self._written]) if mine else np.zeros(0, np.int64)
+        new = None
+        if mine:  # this commit's ids, sorted, while the shards are fsynced
+            new_ids = np.concatenate([ids for _, ids in self._written])
+            new_sh = np.concatenate([np.full(e.rows, j, np.int32) for j, e in enumerate(mine)])
+            new_row = np.concatenate([np.arange(e.rows, dtype=np.int64) for e in mine])
+            new = last_writes(new_ids, new_sh, new_row)
         attempt = 0
         while True:
             versions = list_versions(self.root)
@@ -192,7 +329,14 @@ class FeatureWriter:
             if parent is not None and parent.schema != self.schema:
                 raise FormatError(f"version {latest} has schema {schema_to_json(parent.schema)}, this writer "
                                   f"{schema_to_json(self.schema)}", path=self.root)
-            manifest, index_path = self._manifest(latest, parent, mine, new_ids, attempt)
+            manifest, index_path = self._manifest(latest, parent, mine, new, attempt)
+            try:  # the index was built while the shards were fsynced; a manifest names only durable files
+                self._wait()
+                fsync_dir(os.path.join(self.root, SHARDS))
+            except BaseException:
+                if index_path is not None:
+                    os.unlink(index_path)
+                raise
             if claim_version(self.root, manifest):
                 break
             if index_path is not None:  # another commit took the number: redo on top of it
@@ -203,11 +347,12 @@ class FeatureWriter:
         self.store.refresh()
         return manifest.version
 
-    def _manifest(self, latest: int, parent: Manifest | None, mine: list[ShardEntry], new_ids: np.ndarray,
-                  attempt: int) -> tuple[Manifest, str | None]:
+    def _manifest(self, latest: int, parent: Manifest | None, mine: list[ShardEntry],
+                  new: tuple[np.ndarray, np.ndarray, np.ndarray] | None, attempt: int
+                  ) -> tuple[Manifest, str | None]:
         writer = {"name": self.name, "rank": self.rank, "host": platform.node(), "pid": os.getpid()}
         base_shards = list(parent.shards) if parent else []
-        if not mine:
+        if new is None:
             return Manifest(latest + 1, latest, self.schema, tuple(base_shards),
                             parent.index if parent else None, parent.rows if parent else 0, writer), None
         if parent is not None and parent.index is not None:
@@ -215,10 +360,8 @@ class FeatureWriter:
             p_ids, p_sh, p_row = idx.ids, idx.shard, idx.row
         else:
             idx, p_ids, p_sh, p_row = None, np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64)
-        k0 = len(base_shards)
-        new_sh = np.concatenate([np.full(e.rows, k0 + j, np.int32) for j, e in enumerate(mine)])
-        new_row = np.concatenate([np.arange(e.rows, dtype=np.int64) for e in mine])
-        ids, sh, row = overlay(p_ids, p_sh, p_row, new_ids, new_sh, new_row)
+        nid, nsh, nrw = new
+        ids, sh, row = merge(p_ids, p_sh, p_row, nid, nsh + np.int32(len(base_shards)), nrw)
         if idx is not None:
             idx.close()
         shards = base_shards + mine
@@ -228,21 +371,23 @@ class FeatureWriter:
             shards = [s for s, u in zip(shards, used) if u]
         rel = f"{INDEX}/{self.name}-{self._commit_no}-{attempt}.safetensors"
         path = os.path.join(self.root, rel)
-        write_index(path, ids, sh, row)
-        entry = ShardEntry(rel, os.path.getsize(path), len(ids), file_digest(path))
+        size, digest = write_index(path, ids, sh, row)
+        entry = ShardEntry(rel, size, len(ids), digest)
         return Manifest(latest + 1, latest, self.schema, tuple(shards), entry, len(ids), writer), path
 
     def abort(self) -> None:
         """Drop every row written since the last commit (their shard files are deleted)."""
+        self._drop_open()
+        try:
+            self._wait()
+        except OSError:
+            pass  # a shard that failed to complete was removed by its own task
         for e, _ in self._written:
             try:
                 os.unlink(os.path.join(self.root, e.file))
             except FileNotFoundError:
                 pass
         self._written = []
-        self._ids = []
-        self._cols = {c: [] for c in self.schema}
-        self._buffered = 0
 
     def close(self) -> None:
         """Abort what is not committed; the writer takes no more rows."""
