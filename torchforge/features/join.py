@@ -86,17 +86,22 @@ class JoinedDataset(torch.utils.data.Dataset):
     def __getitems__(self, indices: list[int]) -> list[Any]:
         many = getattr(self.dataset, "__getitems__", None)
         samples = many(list(indices)) if many is not None else [self.dataset[i] for i in indices]
+        key, cols = self.key, self.columns
         ids = []
         for s in samples:
-            if not isinstance(s, Mapping) or self.key not in s:
-                raise TorchforgeError(f"join needs mapping samples with an id field {self.key!r}; got a "
+            try:
+                if not isinstance(s, Mapping):
+                    raise TypeError
+                ids.append(int(s[key]))
+            except (KeyError, TypeError):
+                raise TorchforgeError(f"join needs mapping samples with an id field {key!r}; got a "
                                       f"{type(s).__name__}" + (f" with fields {sorted(s)[:10]}"
-                                                               if isinstance(s, Mapping) else ""))
-            ids.append(int(s[self.key]))
-        got = self.store.get(ids, self.columns, missing=self.missing)
+                                                               if isinstance(s, Mapping) else "")) from None
+        got = self.store.get(ids, cols, missing=self.missing)
+        rows = [got[c].unbind(0) for c in cols]  # every sample's row as a view, in one call per column
         out = []
-        for j, s in enumerate(samples):
-            extra = {c: got[c][j] for c in self.columns}
+        for s, *r in zip(samples, *rows):
+            extra = dict(zip(cols, r))
             out.append({**s, **extra} if type(s) is dict else JoinedSample(s, extra))
         return out
 
