@@ -283,6 +283,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_step_and_the_others_raise(tm
     survivor = 1 - crash_rank
     res = _result(tmp_path, "crash", survivor)
     assert "error" in res and res["error_at"] - start < 60, res  # typed error within the timeout, no hang
+    assert "died" in res["error"], res  # on one host the death is seen at once, not after the timeout
     ck = Checkpointer(root)
     assert ck.steps() == [2] and ck.latest() == 2
     ck.verify(2)
@@ -352,3 +353,100 @@ def test_export_is_consolidated_hugging_face_safetensors(saved, kind, tmp_path):
     assert len(set(index["weight_map"].values())) > 1  # max_shard_size=200 split it
     with pytest.raises(CheckpointError, match="exists"):
         Checkpointer(saved / f"ck-{kind}").export(None, tmp_path / "hf")
+
+
+# --- random kills -----------------------------------------------------------------------------------------
+TRIALS = 30
+
+
+def _trial_rank(rank: int, world: int, init: str, root: str, victim: int, fraction: float, out: str) -> None:
+    """One rank of a trial, in a forked child: save step 1, then step 2 with the victim SIGKILLing itself
+    ``fraction`` of the way through (measured on its save of step 1)."""
+    import signal
+    import threading
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    result = {"rank": rank}
+    try:
+        m, opt = _build("fsdp", world)
+        _train(m, opt, 0, 1, rank)
+        ck = Checkpointer(root, timeout=30)
+        t0 = time.monotonic()
+        ck.save(1, model=m, optimizer=opt, extra={"step": 1})
+        took = time.monotonic() - t0
+        _train(m, opt, 1, 2, rank)
+        timer = None
+        if rank == victim:
+            timer = threading.Timer(fraction * took, lambda: os.kill(os.getpid(), signal.SIGKILL))
+            timer.start()
+        start = time.monotonic()
+        try:
+            ck.save(2, model=m, optimizer=opt, extra={"step": 2})
+            result["outcome"] = "saved"
+        except CheckpointError as e:
+            result["outcome"] = "error"
+            result["error"] = str(e)
+        result["seconds"] = time.monotonic() - start
+        if timer is not None:  # the save was quicker: the kill lands after it, which is a valid trial too
+            timer.join()
+            time.sleep(5)
+    finally:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        os._exit(0)
+
+
+def _trials(base: str, n: int, seed: int) -> None:
+    """The driver (a spawned process that imported torch once): forks two ranks per trial."""
+    import random
+
+    rng = random.Random(seed)
+    for k in range(n):
+        folder = os.path.join(base, f"trial-{k:02d}")
+        os.makedirs(folder)
+        victim, fraction = (rng.randrange(2), rng.uniform(0.0, 1.3)) if k else (-1, 0.0)  # trial 0: no kill
+        with open(os.path.join(folder, "plan.json"), "w") as f:
+            json.dump({"victim": victim, "fraction": fraction}, f)
+        pids = []
+        for rank in range(2):
+            pid = os.fork()
+            if pid == 0:
+                _trial_rank(rank, 2, f"file://{folder}/store", os.path.join(folder, "ck"), victim, fraction, folder)
+            pids.append(pid)
+        for pid in pids:
+            os.waitpid(pid, 0)
+
+
+def test_random_kills_during_a_save_leave_a_complete_step_and_typed_errors(tmp_path):
+    proc = mp.get_context("spawn").Process(target=_trials, args=(str(tmp_path), TRIALS, 1234))
+    proc.start()
+    proc.join(600)
+    assert proc.exitcode == 0
+    reference: dict[int, dict[str, torch.Tensor]] = {}
+    clean = tmp_path / "trial-00" / "ck"  # trial 0 was not killed: both steps, the states to compare with
+    for step in (1, 2):
+        m, opt = _build("plain", 1)
+        Checkpointer(clean).restore(step, model=m, optimizer=opt)
+        reference[step] = _full(m, opt)
+    outcomes = {"committed": 0, "absent": 0}
+    for k in range(1, TRIALS):
+        folder = tmp_path / f"trial-{k:02d}"
+        plan = json.loads((folder / "plan.json").read_text())
+        survivor = 1 - plan["victim"]
+        res = json.loads((folder / f"rank{survivor}.json").read_text())
+        assert res.get("outcome") in ("saved", "error"), (k, res)  # never a hang or an untyped error
+        assert res["seconds"] < 60, (k, res)
+        ck = Checkpointer(folder / "ck")
+        latest = ck.latest()
+        assert latest in (1, 2), (k, os.listdir(folder / "ck"))
+        assert ck.steps() == sorted({1, latest}), k  # complete or absent: nothing half-written is visible
+        if res["outcome"] == "error":
+            assert latest == 1, (k, res)
+        ck.verify(latest)
+        m, opt = _build("plain", 1)
+        assert ck.restore(model=m, optimizer=opt) == {"step": latest}
+        _same(reference[latest], _full(m, opt))
+        outcomes["committed" if latest == 2 else "absent"] += 1
+        ck.close()
+    assert outcomes["absent"] >= 5, outcomes  # the kills really landed inside saves

@@ -322,7 +322,7 @@ class Checkpointer:
             # .tmp-step-<step>-h<host>-p<pid>-<nonce>: only this host's saves whose process is gone (another
             # node's save in progress on a shared filesystem is never touched)
             m = re.fullmatch(r"\.tmp-step-\d+-h(\w+)-p(\d+)-[0-9a-f]+", name)
-            if name.startswith(".trash-") or (m and m.group(1) == host and not _alive(int(m.group(2)))):
+            if name.startswith(".trash-") or (m and m.group(1) == host and not distributed.pid_alive(int(m.group(2)))):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     # --- checking ------------------------------------------------------------------------------------
@@ -624,15 +624,3 @@ def exchange_paths(a: str, b: str) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
         return False
     raise OSError(err, os.strerror(err), b)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -31,9 +31,11 @@ position (a ``GlobalSampler``), and anything that cannot be remapped raises ``Ch
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import re
 import socket
 import time
 import uuid
@@ -267,7 +269,12 @@ def _write_part(ck: Any, step: int, tmp: str, files: list[FilePlan], info: dict[
     if rank == 0:
         os.makedirs(tmp, exist_ok=True)
     else:
-        _wait_for(lambda: os.path.isdir(tmp), ck.timeout, f"rank 0 to create {os.path.basename(tmp)}", tmp)
+        _wait_for(lambda: os.path.isdir(tmp) or _owner_gone(tmp), ck.timeout,
+                  f"rank 0 to create {os.path.basename(tmp)}", tmp)
+        if not os.path.isdir(tmp):
+            raise CheckpointError(f"rank 0 died before step {step}'s folder existed; nothing was committed",
+                                  path=tmp)
+    _write_json_atomic(tmp, f"rank-{rank:05d}.pid", {"host": host_name(), "pid": os.getpid()})
     crash_point("tmp-created")
     try:
         info["files"] = write_files(tmp, files, ck._pool, ck._flusher, direct=ck.direct_io)
@@ -307,9 +314,52 @@ def _rank_files(prefix: str, tensors: dict[str, torch.Tensor], max_shard: int
 
 
 def _committed(final: str, tmp: str) -> bool:
+    if os.path.exists(os.path.join(final, "manifest.json")) and not os.path.isdir(tmp):
+        return True
     if os.path.exists(os.path.join(tmp, "ABORT")):
         raise CheckpointError("rank 0 aborted the save (a rank failed or timed out)", path=tmp)
-    return os.path.exists(os.path.join(final, "manifest.json")) and not os.path.isdir(tmp)
+    if _owner_gone(tmp):
+        raise CheckpointError("rank 0 died before it committed the step; nothing was committed", path=tmp)
+    return False
+
+
+def _owner_gone(tmp: str) -> bool:
+    """Whether the process named in a temporary folder's name (rank 0) is gone (same host only: another
+    host's process cannot be checked, and the timeout covers it)."""
+    m = re.search(r"-h(\w+)-p(\d+)-[0-9a-f]+$", tmp)
+    return bool(m) and m.group(1) == host_name() and not pid_alive(int(m.group(2)))
+
+
+def _dead_ranks(tmp: str, waiting: list[int]) -> list[str]:
+    """Ranks among ``waiting`` whose process, on this host, is gone (from their ``rank-<k>.pid`` file)."""
+    dead = []
+    for r in waiting:
+        try:
+            with open(os.path.join(tmp, f"rank-{r:05d}.pid"), "rb") as f:
+                who = json.loads(f.read())
+        except (OSError, ValueError):
+            continue  # not started yet (or on a host whose file is not visible yet): the timeout covers it
+        if isinstance(who, dict) and who.get("host") == host_name() and isinstance(who.get("pid"), int) \
+                and not pid_alive(who["pid"]):
+            dead.append(f"rank {r} (pid {who['pid']})")
+    return dead
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (and is not a zombie)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed process its parent has not reaped yet (a zombie) is gone too
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _wait_for(cond: Callable[[], bool], timeout: float, what: str, where: str) -> None:
@@ -347,7 +397,12 @@ def _commit(ck: Any, step: int, tmp: str, final: str, world: int) -> None:
         if errors:
             raise CheckpointError(f"step {step}: {', '.join(sorted(errors))} reported a failure; nothing was "
                                   "committed", path=tmp)
-        return all(os.path.exists(os.path.join(tmp, n)) for n in names)
+        waiting = [r for r, n in enumerate(names) if not os.path.exists(os.path.join(tmp, n))]
+        dead = _dead_ranks(tmp, waiting)
+        if dead:
+            raise CheckpointError(f"step {step}: {', '.join(dead)} died before writing its part; nothing was "
+                                  "committed", path=tmp)
+        return not waiting
 
     try:
         _wait_for(ready, ck.timeout, f"all {world} ranks to write their part of step {step}", tmp)
@@ -376,6 +431,9 @@ def _commit(ck: Any, step: int, tmp: str, final: str, world: int) -> None:
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world, "committed": time.time_ns(),
                     "checksum": "blake2b128-of-4KiB-page-sum64, 64MiB blocks", "files": files,
                     "tensors": table, "spec": spec}
+        for r in range(world):  # liveness records of the save, not part of the step
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(tmp, f"rank-{r:05d}.pid"))
         crash_point("manifest-written")
         _write_json_atomic(tmp, "manifest.json", manifest)
         crash_point("before-rename")
