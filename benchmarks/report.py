@@ -45,7 +45,8 @@ import table1
 
 REPO = table1.REPO
 # The head-to-head benchmarks the issues ask for; any other benchmarks/*.py script is run too.
-EXPECTED = ("jinx_vs_mldataforge", "mds_vs_streaming", "sampler", "loader", "transport", "checkpoint")
+EXPECTED = ("jinx_vs_mldataforge", "mds_vs_streaming", "sampler", "loader", "transport", "checkpoint",
+            "dist_checkpoint", "feature_store")
 NOT_BENCHMARKS = {"report", "table1"}
 RATIO_RE = re.compile(r"(\d[\d,]*\.?\d*\s*[x×](?![a-zA-Z0-9])"  # 3.5x
                       r"|(?<![a-zA-Z0-9])[x×]\d"  # x0.69

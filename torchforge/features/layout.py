@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from torchforge.checkpoint.distributed import pid_alive
 from torchforge.errors import FormatError, NotFoundError
 from torchforge.formats.safetensors import DTYPES, fsync_dir
 
@@ -263,19 +264,9 @@ def stale_temp_files(root: str) -> list[str]:
         folder = os.path.join(root, sub)
         for name in os.listdir(folder) if os.path.isdir(folder) else ():
             m = pat.match(name)
-            if m and not _alive(int(m.group(1))):
+            if m and not pid_alive(int(m.group(1))):
                 out.append(os.path.join(folder, name))
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _write_temp(folder: str, stem: str, doc: Any) -> str:
