@@ -1,0 +1,432 @@
+"""torchforge.remote against a real S3-compatible server (moto's, on 127.0.0.1) and a fault-injecting proxy.
+
+The proxy forwards to moto, counts requests and bytes, and injects faults on a schedule: 503, 429, 403, a
+connection reset mid-body, a truncated body (fewer bytes than Content-Length), and delays.
+"""
+from __future__ import annotations
+
+import hashlib
+import http.client
+import logging
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+pytest.importorskip("obstore")
+moto_server = pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+
+from torchforge.errors import TorchforgeError
+from torchforge.remote import (
+    CacheFullError,
+    ObjectCache,
+    RemoteAccessError,
+    RemoteChangedError,
+    RemoteCorruptError,
+    RemoteError,
+    RemoteNotFoundError,
+    coalesce,
+    connect,
+    is_remote,
+    store_spec,
+)
+from torchforge.remote.cache import url_key
+
+BUCKET = "tf-test"
+
+
+def _put(endpoint: str, path: str, data: bytes | None = None) -> None:
+    req = urllib.request.Request(f"{endpoint}/{path}", data=data, method="PUT",
+                                 headers={"Content-Type": "application/octet-stream"})
+    urllib.request.urlopen(req).read()
+
+
+class FaultProxy:
+    """A ThreadingHTTPServer forwarding to ``upstream``; ``faults`` is a list of actions taken by the next
+    GET requests, one each ("503", "429", "403", "reset", "truncate", "ok"); ``delay`` slows each body."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.split("://", 1)[1]
+        self.faults: list[str] = []
+        self.gets: list[tuple[str, str | None]] = []  # (path, Range header)
+        self.heads = 0
+        self.bytes_sent = 0
+        self.delay = 0.0
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _forward(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                with proxy.lock:
+                    fault = proxy.faults.pop(0) if self.command == "GET" and proxy.faults else "ok"
+                    if self.command == "GET":
+                        proxy.gets.append((self.path, self.headers.get("Range")))
+                    elif self.command == "HEAD":
+                        proxy.heads += 1
+                if fault in ("503", "429", "403"):
+                    msg = b"<Error><Code>SlowDown</Code></Error>"
+                    self.send_response(int(fault))
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
+                conn = http.client.HTTPConnection(proxy.upstream, timeout=30)
+                conn.request(self.command, self.path, body=body,
+                             headers={k: v for k, v in self.headers.items() if k.lower() != "connection"})
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("connection", "transfer-encoding", "server", "date"):
+                        self.send_header(k, v)
+                self.end_headers()
+                if self.command == "HEAD":
+                    return
+                if fault in ("reset", "truncate"):
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    with proxy.lock:
+                        proxy.bytes_sent += len(data) // 2
+                    if fault == "reset":  # RST instead of FIN
+                        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    self.connection.close()
+                    return
+                for i in range(0, len(data), 64 * 1024):
+                    if proxy.delay:
+                        time.sleep(proxy.delay)
+                    self.wfile.write(data[i:i + 64 * 1024])
+                with proxy.lock:
+                    proxy.bytes_sent += len(data)
+
+            do_GET = do_HEAD = do_PUT = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def reset(self) -> None:
+        with self.lock:
+            self.faults, self.gets, self.heads, self.bytes_sent, self.delay = [], [], 0, 0, 0.0
+
+    def gets_of(self, key: str) -> int:
+        return sum(path.endswith(key) for path, _ in self.gets)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    _put(endpoint, BUCKET)
+    proxy = FaultProxy(endpoint)
+    yield endpoint, proxy
+    proxy.server.shutdown()
+    server.stop()
+
+
+@pytest.fixture
+def env(s3, monkeypatch, tmp_path):
+    """The standard AWS variables pointing at moto; a fresh cache folder; returns (client, proxy, put)."""
+    endpoint, proxy = s3
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true",
+                 "TORCHFORGE_FETCHER_IDLE_EXIT": "3"}.items():
+        monkeypatch.setenv(k, v)
+    proxy.reset()
+    client = connect(tmp_path / "cache")
+
+    s3_client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                             aws_secret_access_key="testing")
+
+    def put(key: str, data: bytes) -> str:  # signed (moto refuses an unsigned overwrite)
+        s3_client.put_object(Bucket=BUCKET, Key=key, Body=data)
+        return f"s3://{BUCKET}/{key}"
+
+    yield client, proxy, put
+    client.close()
+
+
+def _via(proxy: FaultProxy) -> dict:
+    return {"endpoint": proxy.url}
+
+
+def _objects(client) -> list[str]:
+    return sorted(os.listdir(client.cache.objects))
+
+
+def test_urls_and_store_config(monkeypatch):
+    assert is_remote("s3://b/k") and is_remote("https://h/x") and is_remote("gs://b/k") and is_remote("az://c/k")
+    assert not is_remote("/data") and not is_remote("file:///data") and not is_remote(None)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    spec, key = store_spec("s3://bkt/a/b.mds")
+    assert (spec.kind, spec.root, key) == ("s3", "bkt", "a/b.mds")
+    assert dict(spec.config)["endpoint"] == "http://127.0.0.1:9000" and dict(spec.config)["region"] == "eu-west-1"
+    assert dict(spec.client)["allow_http"] is True
+    spec, _ = store_spec("s3://bkt/x", {"region": "us-east-2", "anonymous": True})
+    assert dict(spec.config)["region"] == "us-east-2" and dict(spec.config)["skip_signature"] is True
+    assert store_spec("file:///tmp/x")[0].kind == "file"
+    for bad in ("s3://bkt", "ftp://h/x", "s3:///x"):
+        with pytest.raises(ValueError):
+            store_spec(bad)
+    assert coalesce([(0, 10), (12, 20), (100, 110), (5, 8)], gap=5) == [(0, 20), (100, 110)]
+
+
+def test_head_ranges_fetch_round_trip(env):
+    client, _, put = env
+    data = os.urandom(200_000)
+    url = put("rt/shard.0.mds", data)
+    info = client.head(url)
+    assert info.size == len(data) and info.etag
+    ranges = [(0, 0), (5, 17), (150_000, 200_000), (0, 200_000), (7, 9)]
+    assert client.get_ranges(url, ranges, etag=info.etag) == [data[s:e] for s, e in ranges]
+    path = client.fetch(url, len(data), hashes={"sha1": hashlib.sha1(data).hexdigest(),
+                                                "md5": hashlib.md5(data).hexdigest()}, etag=info.etag)
+    with open(path, "rb") as f:
+        assert f.read() == data
+    assert client.fetch(url, len(data), etag=info.etag) == path  # a hit, without asking the fetcher
+    assert os.path.commonpath([path, client.cache.root]) == client.cache.root
+
+
+def test_ranges_are_coalesced(env):
+    client, proxy, put = env
+    data = os.urandom(1_000_000)
+    url = put("co/shard.mds", data)
+    etag = client.head(url).etag
+    ranges = [(i * 4096 + 64, i * 4096 + 4096) for i in range(40)]  # 4032-byte reads, 64-byte gaps
+    ranges += [(900_000 + i * 1000, 900_000 + i * 1000 + 990) for i in range(20)]
+    proxy.reset()
+    out = client.get_ranges(url, ranges, etag=etag, storage_options=_via(proxy))
+    assert out == [data[s:e] for s, e in ranges]
+    requested = sum(e - s for s, e in ranges)
+    assert proxy.gets_of("co/shard.mds") < len(ranges) and proxy.gets_of("co/shard.mds") == 2
+    assert proxy.bytes_sent <= 1.1 * requested
+    proxy.reset()
+    out = client.get_ranges(url, ranges[:3], etag=etag, gap=0, storage_options=_via(proxy))
+    assert out == [data[s:e] for s, e in ranges[:3]] and proxy.gets_of("co/shard.mds") == 3
+
+
+def test_one_get_per_node_from_four_processes(env):
+    client, proxy, put = env
+    data = os.urandom(2_000_000)
+    url = put("one/shard.mds", data)
+    etag = client.head(url).etag
+    proxy.reset()
+    proxy.delay = 0.01  # ~0.3 s per download: the four requests overlap
+    r, w = os.pipe()
+    pids = []
+    for _ in range(4):
+        pid = os.fork()
+        if pid == 0:  # the main process never touched obstore: forked children may use the fetcher
+            os.close(w)
+            os.read(r, 1)
+            try:
+                path = connect(client.cache_dir).fetch(url, len(data), etag=etag, storage_options=_via(proxy))
+                with open(path, "rb") as f:
+                    ok = f.read() == data
+            except BaseException:  # noqa: BLE001 - a forked child exits here, never returns into pytest
+                ok = False
+            os._exit(0 if ok else 1)
+        pids.append(pid)
+    os.close(r)
+    os.write(w, b"gogo")
+    os.close(w)
+    assert [os.waitpid(p, 0)[1] for p in pids] == [0, 0, 0, 0]
+    assert proxy.gets_of("one/shard.mds") == 1
+
+
+def test_faults_are_retried_and_verified(env):
+    client, proxy, put = env
+    data = os.urandom(600_000)
+    url = put("faults/shard.mds", data)
+    etag = client.head(url).etag
+    sha1 = hashlib.sha1(data).hexdigest()
+    proxy.reset()
+    proxy.faults = ["503", "429", "reset", "truncate"]
+    path = client.fetch(url, len(data), hashes={"sha1": sha1}, etag=etag, storage_options=_via(proxy))
+    with open(path, "rb") as f:
+        assert f.read() == data
+    assert not proxy.faults and proxy.gets_of("faults/shard.mds") == 5
+    assert _objects(client) == [os.path.basename(path)]
+    proxy.reset()
+    proxy.faults = ["truncate", "503", "reset", "429"]
+    ranges = [(0, 1000), (300_000, 400_000)]
+    assert client.get_ranges(url, ranges, etag=etag, storage_options=_via(proxy)) == [data[s:e] for s, e in ranges]
+    assert not proxy.faults
+
+
+def test_bad_hash_or_size_leaves_nothing(env):
+    client, _, put = env
+    data = os.urandom(100_000)
+    url = put("bad/shard.mds", data)
+    with pytest.raises(RemoteCorruptError, match="sha1") as e:
+        client.fetch(url, len(data), hashes={"sha1": "0" * 40})
+    assert e.value.url == url and url in str(e.value)
+    with pytest.raises(RemoteCorruptError, match="index records"):
+        client.fetch(url, len(data) + 1)
+    assert _objects(client) == []
+    assert client.cache.usage() == 0
+
+
+def test_missing_or_denied_fails_fast(env):
+    client, proxy, _ = env
+    for url in (f"s3://{BUCKET}/no/such.mds", "s3://no-such-bucket/x.mds"):
+        t = time.monotonic()
+        with pytest.raises(RemoteNotFoundError) as e:
+            client.head(url)
+        assert time.monotonic() - t < 1.0
+        assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, TorchforgeError)
+        assert url in str(e.value) and e.value.url == url
+        t = time.monotonic()
+        with pytest.raises(RemoteNotFoundError):
+            client.fetch(url, 10, etag='"x"')
+        assert time.monotonic() - t < 1.0
+    proxy.reset()
+    proxy.faults = ["403"]
+    t = time.monotonic()
+    with pytest.raises(RemoteAccessError):
+        client.get_ranges(f"s3://{BUCKET}/no/such.mds", [(0, 1)], storage_options=_via(proxy))
+    assert time.monotonic() - t < 1.0
+
+
+def test_overwritten_object_raises_changed(env):
+    client, _, put = env
+    old = os.urandom(50_000)
+    url = put("ow/shard.mds", old)
+    etag = client.head(url).etag
+    put("ow/shard.mds", os.urandom(50_000))
+    assert client.head(url).etag != etag
+    with pytest.raises(RemoteChangedError) as e:
+        client.get_ranges(url, [(0, 10)], etag=etag)
+    assert url in str(e.value)
+    with pytest.raises(RemoteChangedError):
+        client.fetch(url, len(old), etag=etag)
+    assert _objects(client) == []
+
+
+def _writer(data: bytes):
+    def download(f):
+        f.write(data)
+    return download
+
+
+def test_cache_limit_and_belady(tmp_path):
+    cache = ObjectCache(tmp_path, limit=300)
+    foreign = os.path.join(cache.objects, "someone-elses-file")
+    with open(foreign, "wb") as f:
+        f.write(b"x" * 1000)  # not ours: never counted, never removed
+    urls = [f"s3://b/{c}" for c in "abcd"]
+    for u in urls[:3]:
+        cache.fill(u, "v1", 100, _writer(b"y" * 100))
+    assert cache.usage() == 300
+
+    seen = []
+
+    def watching(f):
+        seen.append(cache.usage())  # the partial download is counted at its full size
+        f.write(b"z" * 100)
+
+    # next uses: a, then c, then b: b's lies furthest, so b goes
+    cache.fill(urls[3], "v1", 100, watching, next_use={url_key(urls[0]): 0, url_key(urls[2]): 1,
+                                                      url_key(urls[1]): 2})
+    assert seen == [300]
+    assert cache.lookup(urls[1], "v1") is None and all(cache.lookup(u, "v1") for u in (urls[0], urls[2], urls[3]))
+    assert cache.usage() == 300 and os.path.exists(foreign)
+    # the furthest (a) is in use: the next furthest (c) goes instead
+    with cache.pinned(urls[0]):
+        cache.fill(urls[1], "v1", 100, _writer(b"y" * 100),
+                   next_use={url_key(urls[3]): 0, url_key(urls[2]): 1, url_key(urls[0]): 2})
+        assert cache.lookup(urls[0], "v1") and cache.lookup(urls[2], "v1") is None
+        with cache.pinned(urls[1]), cache.pinned(urls[3]), pytest.raises(CacheFullError):
+            cache.fill(urls[2], "v1", 100, _writer(b"y" * 100))
+    assert cache.usage() <= 300
+    with pytest.raises(CacheFullError):
+        cache.fill("s3://b/huge", "v1", 301, _writer(b"y" * 301))
+    lru = ObjectCache(tmp_path, limit=300, policy="lru")
+    os.utime(cache.lookup(urls[0], "v1"), (1, 1))  # a: least recently used
+    lru.fill(urls[2], "v1", 100, _writer(b"y" * 100))
+    assert lru.lookup(urls[0], "v1") is None
+    with pytest.raises(ValueError):
+        ObjectCache(tmp_path, policy="mru")
+
+
+def test_killed_download_leaves_nothing_used(env):
+    client, _, put = env
+    data = os.urandom(300_000)
+    url = put("kill/shard.mds", data)
+    etag = client.head(url).etag
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        cache = ObjectCache(client.cache_dir)
+
+        def half(f):
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.write(w, b"x")
+            time.sleep(60)
+
+        cache.fill(url, etag, len(data), half)
+        os._exit(0)
+    assert os.read(r, 1) == b"x"
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    left = _objects(client)
+    assert len(left) == 1 and ".tmp." in left[0]  # the partial download, under a name nothing uses
+    assert client.cache.lookup(url, etag) is None
+    path = client.fetch(url, len(data), etag=etag, cache_limit="10MB")
+    with open(path, "rb") as f:
+        assert f.read() == data
+    assert _objects(client) == [os.path.basename(path)]  # the stale partial file is gone
+
+
+def test_fork_after_use(env):
+    client, _, put = env
+    data = os.urandom(10_000)
+    url = put("fork/shard.mds", data)
+    assert client.get_ranges(url, [(0, 100)]) == [data[:100]]  # the main process uses the remote API
+    pid = os.fork()
+    if pid == 0:
+        try:
+            c = connect(client.cache_dir)
+            ok = c.head(url).size == len(data) and c.get_ranges(url, [(10, 20)]) == [data[10:20]]
+        except BaseException:  # noqa: BLE001 - a forked child exits here, never returns into pytest
+            ok = False
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert status == 0
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("a forked child hung on its first remote call")
+
+
+def test_errors_pickle_with_url():
+    import pickle
+
+    e = pickle.loads(pickle.dumps(RemoteChangedError("changed", url="s3://b/k")))
+    assert e.url == "s3://b/k" and "s3://b/k" in str(e) and isinstance(e, RemoteError)

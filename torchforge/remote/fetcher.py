@@ -1,0 +1,621 @@
+"""All object-store I/O of a node happens in one fetcher process per cache folder; every other process
+asks it over a Unix socket.
+
+Why: obstore keeps a global async (tokio) runtime. A process that has used obstore and then forks (torch's
+DataLoader forks its workers by default) leaves a child whose first obstore call hangs forever, even with a
+new store object. A process that never touched obstore forks safely. So no caller ever imports obstore:
+the main process, forked workers and spawned workers alike connect to the fetcher, a fresh interpreter
+(``python -m torchforge.remote.fetcher``, the equivalent of multiprocessing's "spawn", started with
+``subprocess`` because torch's workers are daemonic and multiprocessing forbids them children).
+
+One fetcher serves the node: its address is derived from the cache folder, so every process naming that
+folder (every rank and worker) finds the same one; whoever finds none starts it under a file lock. It
+exits when no client has been connected for :data:`IDLE_EXIT` seconds; a client whose fetcher went away
+starts a new one and asks again.
+
+Requests (:class:`HeadRequest`, :class:`RangesRequest`, :class:`FetchRequest`) and replies
+(:class:`Reply`) are dataclasses with named fields.
+
+Failures: 5xx, 429, timeouts, connection resets and truncated bodies are retried :data:`RETRIES` times
+with exponential backoff and full jitter (:data:`BACKOFF_BASE` doubling up to :data:`BACKOFF_CAP`
+seconds); every retried read is verified again (range lengths; a whole object's size and hash). A missing
+object or denied access is not retried: it raises at once, naming the URL.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection, Listener
+from typing import IO, Any
+
+from torchforge.cache import user_cache_dir
+from torchforge.remote.cache import ObjectCache, url_key
+from torchforge.remote.errors import (
+    RemoteAccessError,
+    RemoteChangedError,
+    RemoteCorruptError,
+    RemoteError,
+    RemoteNotFoundError,
+)
+from torchforge.remote.url import StoreSpec, store_spec
+
+__all__ = [
+    "BACKOFF_BASE",
+    "BACKOFF_CAP",
+    "COALESCE_GAP",
+    "IDLE_EXIT",
+    "MAX_MERGED",
+    "RETRIES",
+    "FetchRequest",
+    "FetcherClient",
+    "HeadRequest",
+    "ObjectInfo",
+    "RangesRequest",
+    "Reply",
+    "coalesce",
+    "connect",
+]
+
+#: Ranges closer than this are merged into one request. A request costs a round trip (tens of ms to a
+#: cloud store, in which ~1 MB would stream); 64 KiB keeps the bytes read in vain small (a few percent
+#: for the KB-sized samples of a batch) while still merging neighbours of one shard.
+COALESCE_GAP = 64 * 1024
+#: A merged request grows no larger than this (a range larger than this by itself stays whole).
+MAX_MERGED = 32 * 1024 * 1024
+RETRIES = 6
+BACKOFF_BASE = 0.05
+BACKOFF_CAP = 2.0
+IDLE_EXIT = float(os.environ.get("TORCHFORGE_FETCHER_IDLE_EXIT", "15"))
+_START_TIMEOUT = 60.0
+_CHUNK = 1 << 20
+
+
+# -- messages ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ObjectInfo:
+    """An object's size in bytes and ETag (None where the server gives none)."""
+
+    size: int
+    etag: str | None
+
+
+@dataclass(frozen=True)
+class HeadRequest:
+    url: str
+    store: StoreSpec
+    key: str
+
+
+@dataclass(frozen=True)
+class RangesRequest:
+    url: str
+    store: StoreSpec
+    key: str
+    ranges: tuple[tuple[int, int], ...]
+    etag: str | None
+    gap: int
+
+
+@dataclass(frozen=True)
+class FetchRequest:
+    url: str
+    store: StoreSpec
+    key: str
+    size: int
+    hashes: tuple[tuple[str, str], ...]
+    etag: str | None
+    cache_limit: int | None
+    policy: str
+    next_use: tuple[str, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class Reply:
+    value: Any = None
+    error: BaseException | None = None
+
+
+# -- coalescing ----------------------------------------------------------------------------------------
+def coalesce(ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP,
+             max_merged: int = MAX_MERGED) -> list[tuple[int, int]]:
+    """Merge ``[start, end)`` ranges whose distance is at most ``gap`` bytes (overlaps always merge) into
+    the requests to make, sorted; a merge never grows a request past ``max_merged`` bytes.
+
+    >>> coalesce([(0, 10), (12, 20), (100, 110)], gap=5)
+    [(0, 20), (100, 110)]
+    """
+    out: list[list[int]] = []
+    for s, e in sorted(r for r in ranges if r[1] > r[0]):
+        if out and s <= out[-1][1] + gap and (s <= out[-1][1] or max(e, out[-1][1]) - out[-1][0] <= max_merged):
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _check_ranges(url: str, ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out = []
+    for r in ranges:
+        try:
+            s, e = (int(r[0]), int(r[1]))
+        except (TypeError, ValueError, IndexError):
+            raise ValueError(f"{url}: range {r!r} is not a (start, end) pair of ints") from None
+        if not 0 <= s <= e:
+            raise ValueError(f"{url}: range {r!r} must have 0 <= start <= end")
+        out.append((s, e))
+    return tuple(out)
+
+
+# -- the server ----------------------------------------------------------------------------------------
+class _Transient(Exception):
+    """A failure worth retrying (5xx, 429, reset, truncated body)."""
+
+
+def _short(e: BaseException) -> str:
+    text = " ".join(str(e).split("Debug source:")[0].split())
+    return text[:400] + ("..." if len(text) > 400 else "")
+
+
+def _classify(e: BaseException, url: str) -> BaseException:
+    """The typed error for an obstore failure, or :class:`_Transient` for one worth retrying."""
+    from obstore import exceptions as ox
+
+    if isinstance(e, (RemoteError, _Transient)):
+        return e
+    if isinstance(e, (ox.NotFoundError, FileNotFoundError)):  # obstore raises the builtin for a 404
+        return RemoteNotFoundError(f"no such object ({_short(e)})", url=url)
+    if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError, PermissionError)):
+        return RemoteAccessError(f"access denied: check the credentials (storage_options or AWS_*/"
+                                 f"GOOGLE_*/AZURE_* variables) ({_short(e)})", url=url)
+    if isinstance(e, ox.PreconditionError):
+        return RemoteChangedError("the object changed since the dataset was opened (its ETag differs from "
+                                  "the pinned one): open the dataset again", url=url)
+    text = str(e)
+    if isinstance(e, (ox.GenericError, ConnectionError, TimeoutError)):
+        low = text.lower()
+        if "status 404" in low or "nosuchkey" in low or "nosuchbucket" in low:
+            return RemoteNotFoundError(f"no such object ({_short(e)})", url=url)
+        if "status 403" in low or "status 401" in low or "accessdenied" in low:
+            return RemoteAccessError(f"access denied ({_short(e)})", url=url)
+        if "status 412" in low or "precondition" in low:
+            return _classify(ox.PreconditionError(text), url)
+        client_error = any(f"status 4{d}" in low for d in range(10)) and "status 429" not in low \
+            and "status 408" not in low
+        if not client_error:
+            return _Transient(_short(e))
+    return RemoteError(f"{type(e).__name__}: {_short(e)}", url=url)
+
+
+def _backoff(attempt: int) -> float:
+    return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** attempt))
+
+
+def _retrying(url: str, fn: Callable[[], Any]) -> Any:
+    for attempt in range(RETRIES + 1):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - classified below
+            err = _classify(e, url)
+            if not isinstance(err, _Transient):
+                raise err from None
+            if attempt == RETRIES:
+                raise RemoteError(f"failed after {RETRIES} retries: {err}", url=url) from None
+            time.sleep(_backoff(attempt))
+    raise AssertionError("unreachable")
+
+
+def _hasher(name: str) -> Any | None:
+    name = name.lower()
+    if name.startswith("xxh"):
+        try:
+            import xxhash
+        except ImportError:
+            return None
+        ctor = getattr(xxhash, {"xxh3": "xxh3_64"}.get(name, name), None)
+        return ctor() if callable(ctor) else None
+    try:
+        return hashlib.new(name)
+    except (ValueError, TypeError):
+        return None
+
+
+class _Server:
+    def __init__(self, cache_dir: str) -> None:
+        self.cache_dir = cache_dir
+        self.stores: dict[StoreSpec, Any] = {}
+        self.lock = threading.Lock()
+        self.clients = 0
+        self.last_seen = time.monotonic()
+
+    def store(self, spec: StoreSpec) -> Any:
+        with self.lock:
+            if spec not in self.stores:
+                self.stores[spec] = _open_store(spec)
+            return self.stores[spec]
+
+    def handle(self, req: Any) -> Any:
+        if isinstance(req, HeadRequest):
+            return self.head(req)
+        if isinstance(req, RangesRequest):
+            return self.ranges(req)
+        if isinstance(req, FetchRequest):
+            return self.fetch(req)
+        raise TypeError(f"unknown request {type(req).__name__}")
+
+    def head(self, req: HeadRequest) -> ObjectInfo:
+        import obstore
+
+        meta = _retrying(req.url, lambda: obstore.head(self.store(req.store), req.key))
+        return ObjectInfo(int(meta["size"]), meta.get("e_tag"))
+
+    def ranges(self, req: RangesRequest) -> list[bytes]:
+        import obstore
+
+        store = self.store(req.store)
+        merged = coalesce(req.ranges, req.gap)
+        got: dict[tuple[int, int], Any] = {}
+
+        async def one(s: int, e: int) -> Any:
+            opts: dict[str, Any] = {"range": (s, e)}
+            if req.etag:
+                opts["if_match"] = req.etag
+            res = await obstore.get_async(store, req.key, options=opts)
+            data = await res.bytes_async()
+            if len(data) != e - s:
+                raise _Transient(f"truncated body: {len(data)} of {e - s} bytes for range [{s}, {e})")
+            return data
+
+        async def batch(todo: list[tuple[int, int]]) -> list[Any]:
+            return await asyncio.gather(*(one(s, e) for s, e in todo), return_exceptions=True)
+
+        todo = merged
+        for attempt in range(RETRIES + 1):
+            results = asyncio.run(batch(todo))
+            failed = []
+            for r, res in zip(todo, results):
+                if isinstance(res, BaseException):
+                    err = _classify(res, req.url)
+                    if not isinstance(err, _Transient):
+                        raise err
+                    failed.append(r)
+                else:
+                    got[r] = res
+            if not failed:
+                break
+            if attempt == RETRIES:
+                raise RemoteError(f"range reads failed after {RETRIES} retries", url=req.url)
+            todo = failed
+            time.sleep(_backoff(attempt))
+        starts = sorted(got)
+        out = []
+        import bisect
+
+        for s, e in req.ranges:
+            if s == e:
+                out.append(b"")
+                continue
+            ms, me = starts[bisect.bisect_right(starts, (s, float("inf"))) - 1]
+            out.append(bytes(memoryview(got[(ms, me)])[s - ms:e - ms]))
+        return out
+
+    def fetch(self, req: FetchRequest) -> str:
+        import obstore
+
+        store = self.store(req.store)
+        hashes = dict(req.hashes)
+        etag = req.etag
+        version = etag or next((f"{k}:{v}" for k, v in sorted(hashes.items())), None)
+        if version is None:
+            info = self.head(HeadRequest(req.url, req.store, req.key))
+            etag = info.etag
+            version = etag or f"size:{info.size}"
+        cache = ObjectCache(self.cache_dir, limit=req.cache_limit, policy=req.policy)
+        next_use = {}
+        for pos, u in enumerate(req.next_use):
+            next_use.setdefault(url_key(u), pos)
+
+        def download(f: IO[bytes]) -> None:
+            pinned = etag
+            for full_try in range(2):  # a hash mismatch is downloaded once more before it is an error
+                f.seek(0)
+                hashers = {k: h for k, h in ((k, _hasher(k)) for k in hashes) if h is not None}
+                written = 0
+                for attempt in range(RETRIES + 1):
+                    try:
+                        opts: dict[str, Any] = {}
+                        if pinned:
+                            opts["if_match"] = pinned
+                        if written:
+                            opts["range"] = (written, req.size)
+                        res = obstore.get(store, req.key, options=opts or None)
+                        total = int(res.meta["size"])
+                        if total != req.size:
+                            raise RemoteCorruptError(f"the object has {total} bytes, the index records "
+                                                     f"{req.size}", url=req.url)
+                        pinned = pinned or res.meta.get("e_tag")  # a resumed read stays on this version
+                        for chunk in res.stream(min_chunk_size=_CHUNK):
+                            if written + len(chunk) > req.size:
+                                raise RemoteCorruptError(f"received more than the {req.size} bytes the "
+                                                         "index records", url=req.url)
+                            f.write(chunk)
+                            for h in hashers.values():
+                                h.update(chunk)
+                            written += len(chunk)
+                        if written != req.size:
+                            raise _Transient(f"truncated body: {written} of {req.size} bytes")
+                        break
+                    except Exception as e:  # noqa: BLE001 - classified below
+                        err = _classify(e, req.url)
+                        if not isinstance(err, _Transient):
+                            raise err from None
+                        if attempt == RETRIES:
+                            raise RemoteError(f"download failed after {RETRIES} retries: {err}",
+                                              url=req.url) from None
+                        time.sleep(_backoff(attempt))
+                bad = [k for k, h in hashers.items() if h.hexdigest() != str(hashes[k]).lower()]
+                if not bad:
+                    return
+                if full_try == 1:
+                    raise RemoteCorruptError(f"{bad[0]} of the bytes received is {hashers[bad[0]].hexdigest()}, "
+                                             f"the index records {hashes[bad[0]]}", url=req.url)
+
+        return cache.fill(req.url, version, req.size, download, next_use=next_use)
+
+
+def _open_store(spec: StoreSpec) -> Any:
+    from obstore.store import AzureStore, GCSStore, HTTPStore, LocalStore, S3Store
+
+    config = dict(spec.config)
+    client = {"connect_timeout": "5s", "timeout": "120s", **dict(spec.client)}
+    retry = {"max_retries": 0}  # retries are ours: counted, jittered and re-verified
+    if spec.kind == "s3":
+        return S3Store(spec.root, config=config, client_options=client, retry_config=retry)
+    if spec.kind == "gs":
+        return GCSStore(spec.root, config=config, client_options=client, retry_config=retry)
+    if spec.kind == "az":
+        return AzureStore(spec.root, config=config, client_options=client, retry_config=retry)
+    if spec.kind in ("http", "https"):
+        return HTTPStore.from_url(spec.root, client_options=client, retry_config=retry)
+    if spec.kind == "file":
+        return LocalStore("/")
+    raise ValueError(f"unknown store kind {spec.kind!r}")
+
+
+def _serve_connection(server: _Server, conn: Connection) -> None:
+    with server.lock:
+        server.clients += 1
+    try:
+        while True:
+            try:
+                req = conn.recv()
+            except (EOFError, OSError):
+                return
+            try:
+                reply = Reply(value=server.handle(req))
+            except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+                reply = Reply(error=e)
+            try:
+                conn.send(reply)
+            except (BrokenPipeError, ConnectionResetError, EOFError):
+                return
+            except Exception as e:  # noqa: BLE001 - an unpicklable error
+                conn.send(Reply(error=RemoteError(f"{type(reply.error).__name__}: {reply.error}",
+                                                  url=getattr(req, "url", "?"))))
+                del e
+    finally:
+        conn.close()
+        with server.lock:
+            server.clients -= 1
+            server.last_seen = time.monotonic()
+
+
+def _address(root: str) -> str:
+    digest = hashlib.sha256(f"{os.path.realpath(root)}\0{os.getuid()}".encode()).hexdigest()[:20]
+    if sys.platform.startswith("linux"):
+        return f"\0torchforge-fetcher-{digest}"
+    return os.path.join(root, "fetcher.sock")
+
+
+def _authkey(root: str) -> bytes:
+    path = os.path.join(root, "fetcher.key")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(32).hex().encode())
+    for _ in range(100):
+        with open(path, "rb") as f:
+            key = f.read()
+        if len(key) == 64:
+            return key
+        time.sleep(0.01)  # another process is writing it
+    raise RuntimeError(f"{path} holds no fetcher key: remove it")
+
+
+def serve(cache_dir: str) -> None:
+    """Run the fetcher for ``cache_dir`` until idle (the body of ``python -m torchforge.remote.fetcher``)."""
+    root = ObjectCache(cache_dir).root
+    listener = Listener(_address(root), family="AF_UNIX", authkey=_authkey(root))
+    server = _Server(cache_dir)
+
+    def watchdog() -> None:
+        while True:
+            time.sleep(min(1.0, IDLE_EXIT / 4))
+            with server.lock:
+                idle = server.clients == 0 and time.monotonic() - server.last_seen > IDLE_EXIT
+            if idle:
+                os._exit(0)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    print("ready", flush=True)
+    while True:
+        try:
+            conn = listener.accept()
+        except Exception:  # noqa: BLE001, S112 - a client that failed the handshake
+            continue
+        threading.Thread(target=_serve_connection, args=(server, conn), daemon=True).start()
+
+
+# -- the client ----------------------------------------------------------------------------------------
+class FetcherClient:
+    """A connection to the node's fetcher for ``cache_dir``; see :func:`connect`. Thread-safe; after a
+    fork the child opens its own connection."""
+
+    def __init__(self, cache_dir: str | os.PathLike | None = None) -> None:
+        self.cache_dir = user_cache_dir() if cache_dir is None else os.path.abspath(os.fspath(cache_dir))
+        self.cache = ObjectCache(self.cache_dir)
+        self._lock = threading.Lock()
+        self._conn: Connection | None = None
+        self._pid = -1
+
+    def _connect(self) -> Connection:
+        root = self.cache.root
+        address, key = _address(root), _authkey(root)
+        try:
+            return Client(address, family="AF_UNIX", authkey=key)
+        except (FileNotFoundError, ConnectionRefusedError):
+            pass
+        with open(os.path.join(root, "fetcher.start"), "a+b") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                return Client(address, family="AF_UNIX", authkey=key)
+            except (FileNotFoundError, ConnectionRefusedError):
+                pass
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+            proc = subprocess.Popen([sys.executable, "-c", _SERVE, self.cache_dir],
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env,
+                                    close_fds=True)
+            line = proc.stdout.readline() if proc.stdout else b""
+            threading.Thread(target=proc.wait, daemon=True).start()  # reap it when it exits
+            if line.strip() != b"ready":
+                raise RuntimeError(f"the fetcher process for {self.cache_dir} did not start "
+                                   f"(exit status {proc.poll()}); see its stderr above")
+            deadline = time.monotonic() + _START_TIMEOUT
+            while True:
+                try:
+                    return Client(address, family="AF_UNIX", authkey=key)
+                except (FileNotFoundError, ConnectionRefusedError):
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
+
+    def _call(self, req: Any) -> Any:
+        with self._lock:
+            for attempt in range(2):
+                if self._conn is None or self._pid != os.getpid():
+                    self._conn, self._pid = self._connect(), os.getpid()
+                try:
+                    self._conn.send(req)
+                    reply = self._conn.recv()
+                    break
+                except (EOFError, OSError):  # the fetcher went away: start another and ask again
+                    self._conn = None
+                    if attempt:
+                        raise
+        if reply.error is not None:
+            raise reply.error
+        return reply.value
+
+    def close(self) -> None:
+        """Close this process's connection (the fetcher exits once no process is connected)."""
+        with self._lock:
+            if self._conn is not None and self._pid == os.getpid():
+                self._conn.close()
+            self._conn = None
+
+    def head(self, url: str, *, storage_options: Mapping[str, Any] | None = None) -> ObjectInfo:
+        """The object's size and ETag.
+
+        Raises:
+            RemoteNotFoundError: no such object (at once, no retries).
+            RemoteAccessError: access denied.
+        """
+        spec, key = store_spec(url, storage_options)
+        return self._call(HeadRequest(url, spec, key))
+
+    def get_ranges(self, url: str, ranges: Sequence[tuple[int, int]], *, etag: str | None = None,
+                   gap: int = COALESCE_GAP, storage_options: Mapping[str, Any] | None = None) -> list[bytes]:
+        """The bytes of each ``[start, end)`` range, read with concurrent requests; ranges at most ``gap``
+        bytes apart are merged into one request (:func:`coalesce`).
+
+        Args:
+            etag: the pinned version; a changed object raises :class:`RemoteChangedError`.
+
+        Raises:
+            RemoteChangedError: the object's ETag is not ``etag``.
+            RemoteNotFoundError, RemoteAccessError, RemoteError: see :meth:`head`.
+        """
+        spec, key = store_spec(url, storage_options)
+        return self._call(RangesRequest(url, spec, key, _check_ranges(url, ranges), etag, int(gap)))
+
+    def fetch(self, url: str, size: int, *, hashes: Mapping[str, str] | None = None, etag: str | None = None,
+              cache_limit: int | str | None = None, policy: str = "belady", next_use: Sequence[str] = (),
+              storage_options: Mapping[str, Any] | None = None) -> str:
+        """The path of the whole object in the node-local cache, downloaded once per node on first need.
+
+        Args:
+            size: the object's size as the index records it.
+            hashes: ``{algorithm: hex digest}`` as MDS records them (``sha1``, ``md5``, ``xxh64``, ...);
+                algorithms not available are skipped.
+            etag: the pinned version; the cache is keyed by it (else by the hash, else by a HEAD's ETag).
+            cache_limit: the most bytes the cache may hold (``"50GB"``); None for no limit.
+            policy: ``"belady"`` (evicts the object used furthest in the future) or ``"lru"``.
+            next_use: the URLs the caller will read next, in order (Belady's view of the future).
+
+        Raises:
+            RemoteCorruptError: the size or hash disagrees with the index (nothing is cached).
+            RemoteChangedError: the object's ETag is not ``etag``.
+            CacheFullError: no room within ``cache_limit``.
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"{url}: size={size!r} must be a non-negative int")
+        hashes = dict(hashes or {})
+        version = etag or next((f"{k}:{v}" for k, v in sorted(hashes.items())), None)
+        if version is not None:
+            hit = self.cache.lookup(url, version, size)
+            if hit is not None:
+                return hit
+        spec, key = store_spec(url, storage_options)
+        limit = None if cache_limit is None else ObjectCache(self.cache_dir, limit=cache_limit).limit
+        return self._call(FetchRequest(url, spec, key, size, tuple(sorted(hashes.items())), etag, limit, policy,
+                                       tuple(next_use)))
+
+    def pinned(self, url: str) -> contextlib.AbstractContextManager[None]:
+        """While the block runs, no process evicts ``url`` from the cache (take it before :meth:`fetch`)."""
+        return self.cache.pinned(url)
+
+
+_SERVE = "import sys; from torchforge.remote.fetcher import serve; serve(sys.argv[1])"
+_clients: dict[str, FetcherClient] = {}
+_clients_lock = threading.Lock()
+
+
+def connect(cache_dir: str | os.PathLike | None = None) -> FetcherClient:
+    """This process's client of the fetcher for ``cache_dir`` (default: the per-user cache folder)."""
+    path = user_cache_dir() if cache_dir is None else os.path.abspath(os.fspath(cache_dir))
+    with _clients_lock:
+        client = _clients.get(path)
+        if client is None:
+            client = _clients[path] = FetcherClient(path)
+        return client
+
+
+if __name__ == "__main__":
+    # Run the imported module's serve, not this __main__ copy: requests and replies must be the classes
+    # clients pickle (torchforge.remote.fetcher.*), not __main__.*.
+    from torchforge.remote.fetcher import serve as _serve
+
+    _serve(sys.argv[1])
