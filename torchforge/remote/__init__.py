@@ -7,6 +7,7 @@ importing this package does not import obstore.
 from __future__ import annotations
 
 from torchforge.remote.cache import ObjectCache
+from torchforge.remote.client import FetcherClient, connect
 from torchforge.remote.errors import (
     CacheFullError,
     RemoteAccessError,
@@ -15,7 +16,7 @@ from torchforge.remote.errors import (
     RemoteError,
     RemoteNotFoundError,
 )
-from torchforge.remote.fetcher import COALESCE_GAP, FetcherClient, ObjectInfo, coalesce, connect
+from torchforge.remote.messages import COALESCE_GAP, ObjectInfo, coalesce
 from torchforge.remote.url import is_remote, store_spec
 
 __all__ = [

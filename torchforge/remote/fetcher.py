@@ -13,8 +13,8 @@ folder (every rank and worker) finds the same one; whoever finds none starts it 
 exits when no client has been connected for :data:`IDLE_EXIT` seconds; a client whose fetcher went away
 starts a new one and asks again.
 
-Requests (:class:`HeadRequest`, :class:`RangesRequest`, :class:`FetchRequest`) and replies
-(:class:`Reply`) are dataclasses with named fields.
+Requests and replies are the dataclasses of :mod:`torchforge.remote.messages`; the client side is
+:mod:`torchforge.remote.client`.
 
 Failures: 5xx, 429, timeouts, connection resets and truncated bodies are retried :data:`RETRIES` times
 with exponential backoff and full jitter (:data:`BACKOFF_BASE` doubling up to :data:`BACKOFF_CAP`
@@ -24,21 +24,16 @@ object or denied access is not retried: it raises at once, naming the URL.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
 import hashlib
 import os
 import random
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection, Listener
+from collections.abc import Callable
+from multiprocessing.connection import Connection, Listener
 from typing import IO, Any
 
-from torchforge.cache import user_cache_dir
 from torchforge.remote.cache import ObjectCache, url_key
 from torchforge.remote.errors import (
     RemoteAccessError,
@@ -47,113 +42,25 @@ from torchforge.remote.errors import (
     RemoteError,
     RemoteNotFoundError,
 )
-from torchforge.remote.url import StoreSpec, store_spec
+from torchforge.remote.messages import (
+    FetchRequest,
+    HeadRequest,
+    ObjectInfo,
+    RangesRequest,
+    Reply,
+    address,
+    authkey,
+    coalesce,
+)
+from torchforge.remote.url import StoreSpec
 
-__all__ = [
-    "BACKOFF_BASE",
-    "BACKOFF_CAP",
-    "COALESCE_GAP",
-    "IDLE_EXIT",
-    "MAX_MERGED",
-    "RETRIES",
-    "FetchRequest",
-    "FetcherClient",
-    "HeadRequest",
-    "ObjectInfo",
-    "RangesRequest",
-    "Reply",
-    "coalesce",
-    "connect",
-]
+__all__ = ["BACKOFF_BASE", "BACKOFF_CAP", "IDLE_EXIT", "RETRIES", "serve"]
 
-#: Ranges closer than this are merged into one request. A request costs a round trip (tens of ms to a
-#: cloud store, in which ~1 MB would stream); 64 KiB keeps the bytes read in vain small (a few percent
-#: for the KB-sized samples of a batch) while still merging neighbours of one shard.
-COALESCE_GAP = 64 * 1024
-#: A merged request grows no larger than this (a range larger than this by itself stays whole).
-MAX_MERGED = 32 * 1024 * 1024
 RETRIES = 6
 BACKOFF_BASE = 0.05
 BACKOFF_CAP = 2.0
 IDLE_EXIT = float(os.environ.get("TORCHFORGE_FETCHER_IDLE_EXIT", "15"))
-_START_TIMEOUT = 60.0
 _CHUNK = 1 << 20
-
-
-# -- messages ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ObjectInfo:
-    """An object's size in bytes and ETag (None where the server gives none)."""
-
-    size: int
-    etag: str | None
-
-
-@dataclass(frozen=True)
-class HeadRequest:
-    url: str
-    store: StoreSpec
-    key: str
-
-
-@dataclass(frozen=True)
-class RangesRequest:
-    url: str
-    store: StoreSpec
-    key: str
-    ranges: tuple[tuple[int, int], ...]
-    etag: str | None
-    gap: int
-
-
-@dataclass(frozen=True)
-class FetchRequest:
-    url: str
-    store: StoreSpec
-    key: str
-    size: int
-    hashes: tuple[tuple[str, str], ...]
-    etag: str | None
-    cache_limit: int | None
-    policy: str
-    next_use: tuple[str, ...] = field(default=())
-
-
-@dataclass(frozen=True)
-class Reply:
-    value: Any = None
-    error: BaseException | None = None
-
-
-# -- coalescing ----------------------------------------------------------------------------------------
-def coalesce(ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP,
-             max_merged: int = MAX_MERGED) -> list[tuple[int, int]]:
-    """Merge ``[start, end)`` ranges whose distance is at most ``gap`` bytes (overlaps always merge) into
-    the requests to make, sorted; a merge never grows a request past ``max_merged`` bytes.
-
-    >>> coalesce([(0, 10), (12, 20), (100, 110)], gap=5)
-    [(0, 20), (100, 110)]
-    """
-    out: list[list[int]] = []
-    for s, e in sorted(r for r in ranges if r[1] > r[0]):
-        if out and s <= out[-1][1] + gap and (s <= out[-1][1] or max(e, out[-1][1]) - out[-1][0] <= max_merged):
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
-
-
-def _check_ranges(url: str, ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    out = []
-    for r in ranges:
-        try:
-            s, e = (int(r[0]), int(r[1]))
-        except (TypeError, ValueError, IndexError):
-            raise ValueError(f"{url}: range {r!r} is not a (start, end) pair of ints") from None
-        if not 0 <= s <= e:
-            raise ValueError(f"{url}: range {r!r} must have 0 <= start <= end")
-        out.append((s, e))
-    return tuple(out)
 
 
 # -- the server ----------------------------------------------------------------------------------------
@@ -419,35 +326,10 @@ def _serve_connection(server: _Server, conn: Connection) -> None:
             server.last_seen = time.monotonic()
 
 
-def _address(root: str) -> str:
-    digest = hashlib.sha256(f"{os.path.realpath(root)}\0{os.getuid()}".encode()).hexdigest()[:20]
-    if sys.platform.startswith("linux"):
-        return f"\0torchforge-fetcher-{digest}"
-    return os.path.join(root, "fetcher.sock")
-
-
-def _authkey(root: str) -> bytes:
-    path = os.path.join(root, "fetcher.key")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        pass
-    else:
-        with os.fdopen(fd, "wb") as f:
-            f.write(os.urandom(32).hex().encode())
-    for _ in range(100):
-        with open(path, "rb") as f:
-            key = f.read()
-        if len(key) == 64:
-            return key
-        time.sleep(0.01)  # another process is writing it
-    raise RuntimeError(f"{path} holds no fetcher key: remove it")
-
-
 def serve(cache_dir: str) -> None:
     """Run the fetcher for ``cache_dir`` until idle (the body of ``python -m torchforge.remote.fetcher``)."""
     root = ObjectCache(cache_dir).root
-    listener = Listener(_address(root), family="AF_UNIX", authkey=_authkey(root))
+    listener = Listener(address(root), family="AF_UNIX", authkey=authkey(root))
     server = _Server(cache_dir)
 
     def watchdog() -> None:
@@ -466,151 +348,6 @@ def serve(cache_dir: str) -> None:
         except Exception:  # noqa: BLE001, S112 - a client that failed the handshake
             continue
         threading.Thread(target=_serve_connection, args=(server, conn), daemon=True).start()
-
-
-# -- the client ----------------------------------------------------------------------------------------
-class FetcherClient:
-    """A connection to the node's fetcher for ``cache_dir``; see :func:`connect`. Thread-safe; after a
-    fork the child opens its own connection."""
-
-    def __init__(self, cache_dir: str | os.PathLike | None = None) -> None:
-        self.cache_dir = user_cache_dir() if cache_dir is None else os.path.abspath(os.fspath(cache_dir))
-        self.cache = ObjectCache(self.cache_dir)
-        self._lock = threading.Lock()
-        self._conn: Connection | None = None
-        self._pid = -1
-
-    def _connect(self) -> Connection:
-        root = self.cache.root
-        address, key = _address(root), _authkey(root)
-        try:
-            return Client(address, family="AF_UNIX", authkey=key)
-        except (FileNotFoundError, ConnectionRefusedError):
-            pass
-        with open(os.path.join(root, "fetcher.start"), "a+b") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-            try:
-                return Client(address, family="AF_UNIX", authkey=key)
-            except (FileNotFoundError, ConnectionRefusedError):
-                pass
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-            proc = subprocess.Popen([sys.executable, "-c", _SERVE, self.cache_dir],
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env,
-                                    close_fds=True)
-            line = proc.stdout.readline() if proc.stdout else b""
-            threading.Thread(target=proc.wait, daemon=True).start()  # reap it when it exits
-            if line.strip() != b"ready":
-                raise RuntimeError(f"the fetcher process for {self.cache_dir} did not start "
-                                   f"(exit status {proc.poll()}); see its stderr above")
-            deadline = time.monotonic() + _START_TIMEOUT
-            while True:
-                try:
-                    return Client(address, family="AF_UNIX", authkey=key)
-                except (FileNotFoundError, ConnectionRefusedError):
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.02)
-
-    def _call(self, req: Any) -> Any:
-        with self._lock:
-            for attempt in range(2):
-                if self._conn is None or self._pid != os.getpid():
-                    self._conn, self._pid = self._connect(), os.getpid()
-                try:
-                    self._conn.send(req)
-                    reply = self._conn.recv()
-                    break
-                except (EOFError, OSError):  # the fetcher went away: start another and ask again
-                    self._conn = None
-                    if attempt:
-                        raise
-        if reply.error is not None:
-            raise reply.error
-        return reply.value
-
-    def close(self) -> None:
-        """Close this process's connection (the fetcher exits once no process is connected)."""
-        with self._lock:
-            if self._conn is not None and self._pid == os.getpid():
-                self._conn.close()
-            self._conn = None
-
-    def head(self, url: str, *, storage_options: Mapping[str, Any] | None = None) -> ObjectInfo:
-        """The object's size and ETag.
-
-        Raises:
-            RemoteNotFoundError: no such object (at once, no retries).
-            RemoteAccessError: access denied.
-        """
-        spec, key = store_spec(url, storage_options)
-        return self._call(HeadRequest(url, spec, key))
-
-    def get_ranges(self, url: str, ranges: Sequence[tuple[int, int]], *, etag: str | None = None,
-                   gap: int = COALESCE_GAP, storage_options: Mapping[str, Any] | None = None) -> list[bytes]:
-        """The bytes of each ``[start, end)`` range, read with concurrent requests; ranges at most ``gap``
-        bytes apart are merged into one request (:func:`coalesce`).
-
-        Args:
-            etag: the pinned version; a changed object raises :class:`RemoteChangedError`.
-
-        Raises:
-            RemoteChangedError: the object's ETag is not ``etag``.
-            RemoteNotFoundError, RemoteAccessError, RemoteError: see :meth:`head`.
-        """
-        spec, key = store_spec(url, storage_options)
-        return self._call(RangesRequest(url, spec, key, _check_ranges(url, ranges), etag, int(gap)))
-
-    def fetch(self, url: str, size: int, *, hashes: Mapping[str, str] | None = None, etag: str | None = None,
-              cache_limit: int | str | None = None, policy: str = "belady", next_use: Sequence[str] = (),
-              storage_options: Mapping[str, Any] | None = None) -> str:
-        """The path of the whole object in the node-local cache, downloaded once per node on first need.
-
-        Args:
-            size: the object's size as the index records it.
-            hashes: ``{algorithm: hex digest}`` as MDS records them (``sha1``, ``md5``, ``xxh64``, ...);
-                algorithms not available are skipped.
-            etag: the pinned version; the cache is keyed by it (else by the hash, else by a HEAD's ETag).
-            cache_limit: the most bytes the cache may hold (``"50GB"``); None for no limit.
-            policy: ``"belady"`` (evicts the object used furthest in the future) or ``"lru"``.
-            next_use: the URLs the caller will read next, in order (Belady's view of the future).
-
-        Raises:
-            RemoteCorruptError: the size or hash disagrees with the index (nothing is cached).
-            RemoteChangedError: the object's ETag is not ``etag``.
-            CacheFullError: no room within ``cache_limit``.
-        """
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"{url}: size={size!r} must be a non-negative int")
-        hashes = dict(hashes or {})
-        version = etag or next((f"{k}:{v}" for k, v in sorted(hashes.items())), None)
-        if version is not None:
-            hit = self.cache.lookup(url, version, size)
-            if hit is not None:
-                return hit
-        spec, key = store_spec(url, storage_options)
-        limit = None if cache_limit is None else ObjectCache(self.cache_dir, limit=cache_limit).limit
-        return self._call(FetchRequest(url, spec, key, size, tuple(sorted(hashes.items())), etag, limit, policy,
-                                       tuple(next_use)))
-
-    def pinned(self, url: str) -> contextlib.AbstractContextManager[None]:
-        """While the block runs, no process evicts ``url`` from the cache (take it before :meth:`fetch`)."""
-        return self.cache.pinned(url)
-
-
-_SERVE = "import sys; from torchforge.remote.fetcher import serve; serve(sys.argv[1])"
-_clients: dict[str, FetcherClient] = {}
-_clients_lock = threading.Lock()
-
-
-def connect(cache_dir: str | os.PathLike | None = None) -> FetcherClient:
-    """This process's client of the fetcher for ``cache_dir`` (default: the per-user cache folder)."""
-    path = user_cache_dir() if cache_dir is None else os.path.abspath(os.fspath(cache_dir))
-    with _clients_lock:
-        client = _clients.get(path)
-        if client is None:
-            client = _clients[path] = FetcherClient(path)
-        return client
 
 
 if __name__ == "__main__":

@@ -1,0 +1,179 @@
+"""The client side of the fetcher (:mod:`torchforge.remote.fetcher`): every process of a node asks the one
+fetcher for its cache folder, starting it (a fresh interpreter) when there is none. Never imports obstore,
+so a process using it forks safely."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+from torchforge.cache import user_cache_dir
+from torchforge.remote.cache import ObjectCache
+from torchforge.remote.messages import (
+    COALESCE_GAP,
+    FetchRequest,
+    HeadRequest,
+    ObjectInfo,
+    RangesRequest,
+    address,
+    authkey,
+    check_ranges,
+)
+from torchforge.remote.url import store_spec
+
+__all__ = ["FetcherClient", "connect"]
+
+_START_TIMEOUT = 60.0
+
+
+class FetcherClient:
+    """A connection to the node's fetcher for ``cache_dir``; see :func:`connect`. Thread-safe; after a
+    fork the child opens its own connection."""
+
+    def __init__(self, cache_dir: str | os.PathLike | None = None) -> None:
+        self.cache_dir = user_cache_dir() if cache_dir is None else os.path.abspath(os.fspath(cache_dir))
+        self.cache = ObjectCache(self.cache_dir)
+        self._lock = threading.Lock()
+        self._conn: Connection | None = None
+        self._pid = -1
+
+    def _connect(self) -> Connection:
+        root = self.cache.root
+        where, key = address(root), authkey(root)
+        try:
+            return Client(where, family="AF_UNIX", authkey=key)
+        except (FileNotFoundError, ConnectionRefusedError):
+            pass
+        with open(os.path.join(root, "fetcher.start"), "a+b") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                return Client(where, family="AF_UNIX", authkey=key)
+            except (FileNotFoundError, ConnectionRefusedError):
+                pass
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+            proc = subprocess.Popen([sys.executable, "-c", _SERVE, self.cache_dir],
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env,
+                                    close_fds=True)
+            line = proc.stdout.readline() if proc.stdout else b""
+            threading.Thread(target=proc.wait, daemon=True).start()  # reap it when it exits
+            if line.strip() != b"ready":
+                raise RuntimeError(f"the fetcher process for {self.cache_dir} did not start "
+                                   f"(exit status {proc.poll()}); see its stderr above")
+            deadline = time.monotonic() + _START_TIMEOUT
+            while True:
+                try:
+                    return Client(where, family="AF_UNIX", authkey=key)
+                except (FileNotFoundError, ConnectionRefusedError):
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
+
+    def _call(self, req: Any) -> Any:
+        with self._lock:
+            for attempt in range(2):
+                if self._conn is None or self._pid != os.getpid():
+                    self._conn, self._pid = self._connect(), os.getpid()
+                try:
+                    self._conn.send(req)
+                    reply = self._conn.recv()
+                    break
+                except (EOFError, OSError):  # the fetcher went away: start another and ask again
+                    self._conn = None
+                    if attempt:
+                        raise
+        if reply.error is not None:
+            raise reply.error
+        return reply.value
+
+    def close(self) -> None:
+        """Close this process's connection (the fetcher exits once no process is connected)."""
+        with self._lock:
+            if self._conn is not None and self._pid == os.getpid():
+                self._conn.close()
+            self._conn = None
+
+    def head(self, url: str, *, storage_options: Mapping[str, Any] | None = None) -> ObjectInfo:
+        """The object's size and ETag.
+
+        Raises:
+            RemoteNotFoundError: no such object (at once, no retries).
+            RemoteAccessError: access denied.
+        """
+        spec, key = store_spec(url, storage_options)
+        return self._call(HeadRequest(url, spec, key))
+
+    def get_ranges(self, url: str, ranges: Sequence[tuple[int, int]], *, etag: str | None = None,
+                   gap: int = COALESCE_GAP, storage_options: Mapping[str, Any] | None = None) -> list[bytes]:
+        """The bytes of each ``[start, end)`` range, read with concurrent requests; ranges at most ``gap``
+        bytes apart are merged into one request (:func:`coalesce`).
+
+        Args:
+            etag: the pinned version; a changed object raises :class:`RemoteChangedError`.
+
+        Raises:
+            RemoteChangedError: the object's ETag is not ``etag``.
+            RemoteNotFoundError, RemoteAccessError, RemoteError: see :meth:`head`.
+        """
+        spec, key = store_spec(url, storage_options)
+        return self._call(RangesRequest(url, spec, key, check_ranges(url, ranges), etag, int(gap)))
+
+    def fetch(self, url: str, size: int, *, hashes: Mapping[str, str] | None = None, etag: str | None = None,
+              cache_limit: int | str | None = None, policy: str = "belady", next_use: Sequence[str] = (),
+              storage_options: Mapping[str, Any] | None = None) -> str:
+        """The path of the whole object in the node-local cache, downloaded once per node on first need.
+
+        Args:
+            size: the object's size as the index records it.
+            hashes: ``{algorithm: hex digest}`` as MDS records them (``sha1``, ``md5``, ``xxh64``, ...);
+                algorithms not available are skipped.
+            etag: the pinned version; the cache is keyed by it (else by the hash, else by a HEAD's ETag).
+            cache_limit: the most bytes the cache may hold (``"50GB"``); None for no limit.
+            policy: ``"belady"`` (evicts the object used furthest in the future) or ``"lru"``.
+            next_use: the URLs the caller will read next, in order (Belady's view of the future).
+
+        Raises:
+            RemoteCorruptError: the size or hash disagrees with the index (nothing is cached).
+            RemoteChangedError: the object's ETag is not ``etag``.
+            CacheFullError: no room within ``cache_limit``.
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"{url}: size={size!r} must be a non-negative int")
+        hashes = dict(hashes or {})
+        version = etag or next((f"{k}:{v}" for k, v in sorted(hashes.items())), None)
+        if version is not None:
+            hit = self.cache.lookup(url, version, size)
+            if hit is not None:
+                return hit
+        spec, key = store_spec(url, storage_options)
+        limit = None if cache_limit is None else ObjectCache(self.cache_dir, limit=cache_limit).limit
+        return self._call(FetchRequest(url, spec, key, size, tuple(sorted(hashes.items())), etag, limit, policy,
+                                       tuple(next_use)))
+
+    def pinned(self, url: str) -> contextlib.AbstractContextManager[None]:
+        """While the block runs, no process evicts ``url`` from the cache (take it before :meth:`fetch`)."""
+        return self.cache.pinned(url)
+
+
+_SERVE = "import sys; from torchforge.remote.fetcher import serve; serve(sys.argv[1])"  # a fresh interpreter
+_clients: dict[str, FetcherClient] = {}
+_clients_lock = threading.Lock()
+
+
+def connect(cache_dir: str | os.PathLike | None = None) -> FetcherClient:
+    """This process's client of the fetcher for ``cache_dir`` (default: the per-user cache folder)."""
+    path = user_cache_dir() if cache_dir is None else os.path.abspath(os.fspath(cache_dir))
+    with _clients_lock:
+        client = _clients.get(path)
+        if client is None:
+            client = _clients[path] = FetcherClient(path)
+        return client
+
+
