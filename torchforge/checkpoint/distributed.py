@@ -32,6 +32,7 @@ position (a ``GlobalSampler``), and anything that cannot be remapped raises ``Ch
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import os
@@ -78,9 +79,9 @@ def host_name() -> str:
     return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:40] or "host"
 
 
-def tmp_name(step: int, pid: int | None = None, host: str | None = None) -> str:
+def tmp_name(step: int, pid: int | None = None, host: str | None = None, nonce: str | None = None) -> str:
     """A step's temporary folder name: it carries the host and pid of the process that owns it."""
-    return f".tmp-step-{step:08d}-h{host or host_name()}-p{pid or os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return f".tmp-step-{step:08d}-h{host or host_name()}-p{pid or os.getpid()}-{nonce or uuid.uuid4().hex[:8]}"
 
 
 # --- the state as items ------------------------------------------------------------------------------
@@ -140,31 +141,53 @@ def _collective(what: str, fn: Callable[[], Any], where: str) -> Any:
                               path=where) from e
 
 
-def _plan(items: dict[str, torch.Tensor], owner0: set[str], rank: int, world: int, root: str, step: int
+def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, world: int, step: int
           ) -> tuple[str, list[tuple[str, torch.Tensor, list[int], list[int]]]]:
-    """This rank's writes: (name, tensor to write, global offsets, sizes) and the temporary folder."""
-    mine, sharded_bytes, replicated = [], 0, []
+    """This rank's writes: (name, tensor to write, global offsets, sizes) and the temporary folder.
+
+    The assignment of replicated tensors needs every rank's sizes (one ``all_gather_object``). It is
+    kept on the Checkpointer and reused while no rank's state changed shape: then one tiny
+    ``all_reduce`` says so, and the temporary folder's name is made from rank 0's host and pid (known
+    from the first plan) and a counter every rank advances alike.
+    """
+    mine, sharded_bytes, replicated, shape_of = [], 0, [], []
     for name, t in items.items():
         if name in owner0:
             if rank == 0:
                 mine.append((name, t, [0] * t.dim(), list(t.shape)))
                 sharded_bytes += t.numel() * t.element_size()
+            shape_of.append((name, "0", list(t.shape), str(t.dtype)))
         elif _replicated_everywhere(t):
             full = t.full_tensor() if _is_dtensor(t) else t
             replicated.append((name, full))
+            shape_of.append((name, "r", list(full.shape), str(full.dtype)))
         else:
             local, offsets, sizes = _local_region(t)
             mine.append((name, local, offsets, sizes))
             sharded_bytes += local.numel() * local.element_size()
+            shape_of.append((name, "s", offsets + sizes, str(local.dtype)))
+    signature = hashlib.blake2b(json.dumps([world, rank, shape_of]).encode(), digest_size=8).hexdigest()
+    cached = getattr(ck, "_dist_plan", None)
+    if cached is not None and cached["world"] == world:
+        flag = torch.tensor([0 if cached["signature"] == signature else 1], dtype=torch.int64)
+        _collective("checking the save plan (all_reduce)", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX),
+                    ck.root)
+        if int(flag) == 0:
+            cached["count"] += 1
+            folder = tmp_name(step, pid=cached["pid"], host=cached["host"], nonce=f"{cached['token']}{cached['count']:x}")
+            full = dict(replicated)
+            for name, a, b in cached["pieces"]:
+                mine.append(_piece(name, full[name], a, b))
+            return folder, mine
     rep_info = [(name, list(t.shape), t.element_size()) for name, t in replicated]
     gathered: list[Any] = [None] * world
-    proposal = (tmp_name(step), sharded_bytes, rep_info)
-    _collective("planning the save (all_gather_object)", lambda: dist.all_gather_object(gathered, proposal), root)
-    folder = gathered[0][0]
-    if any(g[2] != rep_info for g in gathered):
+    proposal = (host_name(), os.getpid(), uuid.uuid4().hex[:8], sharded_bytes, rep_info)
+    _collective("planning the save (all_gather_object)", lambda: dist.all_gather_object(gathered, proposal), ck.root)
+    host0, pid0, token = gathered[0][:3]
+    if any(g[4] != rep_info for g in gathered):
         raise CheckpointError("ranks disagree on the replicated (non-DTensor) state: every rank must save the "
-                              "same model and optimizer structure", path=root)
-    load = [g[1] for g in gathered]
+                              "same model and optimizer structure", path=ck.root)
+    load = [g[3] for g in gathered]
     total = sum(load) + sum(_nbytes(s, e) for _, s, e in rep_info)
     fair = total / world
     pieces = []  # (bytes, name, row start, row end)
@@ -179,16 +202,24 @@ def _plan(items: dict[str, torch.Tensor], owner0: set[str], rank: int, world: in
             pieces.append((nbytes, name, 0, rows))
     pieces.sort(key=lambda p: (-p[0], p[1], p[2]))
     full = dict(replicated)
+    own = []
     for nbytes, name, a, b in pieces:
         r = min(range(world), key=lambda i: (load[i], i))
         load[r] += nbytes
         if r == rank:
-            t = full[name]
-            if t.dim() == 0:
-                mine.append((name, t, [], []))
-            else:
-                mine.append((name, t[a:b], [a] + [0] * (t.dim() - 1), [b - a, *t.shape[1:]]))
+            own.append((name, a, b))
+            mine.append(_piece(name, full[name], a, b))
+    ck._dist_plan = {"world": world, "signature": signature, "host": host0, "pid": pid0, "token": token,
+                     "count": 0, "pieces": own}
+    folder = tmp_name(step, pid=pid0, host=host0, nonce=f"{token}0")
     return folder, mine
+
+
+def _piece(name: str, t: torch.Tensor, a: int, b: int) -> tuple[str, torch.Tensor, list[int], list[int]]:
+    """Rows ``a:b`` of a replicated tensor (the whole of a 0-dim one)."""
+    if t.dim() == 0:
+        return name, t, [], []
+    return name, t[a:b], [a] + [0] * (t.dim() - 1), [b - a, *t.shape[1:]]
 
 
 def _nbytes(shape: list[int], esize: int) -> int:
@@ -224,7 +255,7 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
     for name, t in extra_items.tensors.items():  # global state: rank 0's, written by rank 0
         items.tensors[name] = t.full_tensor() if _is_dtensor(t) else t
         owner0.add(name)
-    folder_name, mine = _plan(items.tensors, owner0, rank, world, ck.root, step)
+    folder_name, mine = _plan(ck, items.tensors, owner0, rank, world, step)
     own = _Items()
     own_spec = encode(rank_state, f"rank{rank}", own)
     tensors: dict[str, torch.Tensor] = {}
