@@ -430,3 +430,82 @@ def test_errors_pickle_with_url():
 
     e = pickle.loads(pickle.dumps(RemoteChangedError("changed", url="s3://b/k")))
     assert e.url == "s3://b/k" and "s3://b/k" in str(e) and isinstance(e, RemoteError)
+
+
+# --- an MDS dataset at a URL (torchforge.datasets.remote) ------------------------------------------------
+def _upload_mds(tmp_path, put, prefix: str, n: int = 60, marker: int = 0) -> list[dict]:
+    from torchforge.formats.mds import MDSWriter
+
+    rows = [{"id": i, "blob": bytes([(i + marker) % 251]) * (200 + 37 * i)} for i in range(n)]
+    local = tmp_path / f"mds-{prefix.replace('/', '_')}-{marker}"
+    with MDSWriter(str(local), {"id": "int", "blob": "bytes"}, size_limit=1 << 13, hashes=["sha1"]) as w:
+        for r in rows:
+            w.write(r)
+    for name in sorted(os.listdir(local)):
+        if name != "index.json":
+            put(f"{prefix}/{name}", (local / name).read_bytes())
+    put(f"{prefix}/index.json", (local / "index.json").read_bytes())  # the index last: never half a dataset
+    return rows
+
+
+def test_open_dataset_at_an_s3_url_reads_every_sample_once_per_node(env, tmp_path, monkeypatch):
+    import torch
+
+    import torchforge
+    from torchforge.datasets.remote import RemoteMDSDataset
+
+    _client, proxy, put = env
+    rows = _upload_mds(tmp_path, put, "ds/a")
+    proxy.reset()
+    opts = _via(proxy)
+    ds = torchforge.open_dataset(f"s3://{BUCKET}/ds/a", cache_dir=tmp_path / "cache", storage_options=opts)
+    assert isinstance(ds, RemoteMDSDataset) and len(ds) == len(rows)
+    assert proxy.gets_of("index.json") == 1
+    shards = [m.raw_basename for m in ds.metas]
+    assert len(shards) >= 4
+    got = {}
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=True, num_workers=2)  # forked workers
+    for s in loader:
+        got[int(s["id"])] = bytes(s["blob"])
+    assert got == {r["id"]: r["blob"] for r in rows}
+    assert all(proxy.gets_of(name) == 1 for name in shards), [(n, proxy.gets_of(n)) for n in shards]
+    # a second open of the same version: everything from the node's cache, no shard fetched again
+    proxy.reset()
+    again = torchforge.open_dataset(f"s3://{BUCKET}/ds/a", cache_dir=tmp_path / "cache", storage_options=opts)
+    assert [again[i]["id"] for i in range(len(rows))] == list(range(len(rows)))
+    assert sum(proxy.gets_of(name) for name in shards) == 0
+    # nothing was written next to the data: the cache is the folder given
+    assert os.path.isdir(tmp_path / "cache")
+
+
+def test_a_dataset_overwritten_at_its_url_is_a_new_version_never_mixed(env, tmp_path):
+    import torchforge
+
+    _client, proxy, put = env
+    old = _upload_mds(tmp_path, put, "ds/b", marker=0)
+    opts = _via(proxy)
+    first = torchforge.open_dataset(f"s3://{BUCKET}/ds/b", cache_dir=tmp_path / "cache", storage_options=opts)
+    assert bytes(first[5]["blob"]) == old[5]["blob"]
+    new = _upload_mds(tmp_path, put, "ds/b", marker=7)  # same names, other bytes
+    second = torchforge.open_dataset(f"s3://{BUCKET}/ds/b", cache_dir=tmp_path / "cache", storage_options=opts)
+    assert second.version != first.version and second.folder != first.folder
+    assert [bytes(second[i]["blob"]) for i in range(len(new))] == [r["blob"] for r in new]
+    # the old handle's shards that were not cached yet now fail their recorded hash: a typed error, not mixing
+    with pytest.raises(torchforge.TorchforgeError) as e:
+        for i in range(len(old)):
+            assert bytes(first[i]["blob"]) == old[i]["blob"]
+    assert f"s3://{BUCKET}/ds/b/" in str(e.value)
+
+
+def test_open_dataset_at_a_missing_url_names_it(env, tmp_path):
+    import torchforge
+    from torchforge.remote import RemoteNotFoundError
+
+    _client, proxy, _put = env
+    start = time.monotonic()
+    with pytest.raises(RemoteNotFoundError, match=f"s3://{BUCKET}/nothing/here/index.json"):
+        torchforge.open_dataset(f"s3://{BUCKET}/nothing/here", cache_dir=tmp_path / "cache",
+                                storage_options=_via(proxy))
+    assert time.monotonic() - start < 5
+    with pytest.raises(ValueError, match="mode='ranges'"):
+        torchforge.open_dataset(f"s3://{BUCKET}/nothing/here", mode="ranges")
