@@ -8,7 +8,9 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,7 @@ def _rank_main(rank: int, world: int, init: str, job: dict) -> None:
         os.environ[CRASH_AT] = job["crash_at"]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     result: dict = {"rank": rank}
+    code = 0
     try:
         m, opt = _build(job["kind"], world)
         ck = Checkpointer(job["root"], timeout=job.get("timeout", 60), max_shard_size=job.get("shard", "2GB"))
@@ -136,11 +139,22 @@ def _rank_main(rank: int, world: int, init: str, job: dict) -> None:
     except CheckpointError as e:
         result["error"] = str(e)
         result["error_at"] = time.monotonic()
+    except BaseException:  # noqa: BLE001 - printed, and the exit code says so
+        traceback.print_exc()
+        code = 1
     finally:
         with open(os.path.join(job["out"], f"{job['name']}-rank{rank}.json"), "w") as f:
             json.dump(result, f)
+        if "crash_rank" not in job:  # every rank done with its collectives before the group goes
+            with contextlib.suppress(Exception):
+                dist.barrier()
         with contextlib.suppress(Exception):  # a dead peer may break the teardown
             dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # gloo's threads can still be winding down at interpreter exit ("terminate called without an active
+        # exception", SIGABRT): leave without the C++ static destructors, with this rank's own verdict
+        os._exit(code)
 
 
 def _spawn(world: int, job: dict, tmp_path, timeout: float = 240) -> list[int | None]:
