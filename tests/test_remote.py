@@ -507,5 +507,49 @@ def test_open_dataset_at_a_missing_url_names_it(env, tmp_path):
         torchforge.open_dataset(f"s3://{BUCKET}/nothing/here", cache_dir=tmp_path / "cache",
                                 storage_options=_via(proxy))
     assert time.monotonic() - start < 5
-    with pytest.raises(ValueError, match="mode='ranges'"):
-        torchforge.open_dataset(f"s3://{BUCKET}/nothing/here", mode="ranges")
+    with pytest.raises(ValueError, match=r"mode='whole' is not one of \['shards', 'ranges'\]"):
+        torchforge.open_dataset(f"s3://{BUCKET}/nothing/here", mode="whole")
+
+
+def test_ranges_mode_reads_batches_with_coalesced_requests_and_no_whole_shard(env, tmp_path):
+    import random
+
+    import torch
+
+    import torchforge
+    from torchforge.datasets.remote import RemoteMDSDataset
+
+    _client, proxy, put = env
+    rows = _upload_mds(tmp_path, put, "ds/r", n=100)
+    proxy.reset()
+    ds = torchforge.open_dataset(f"s3://{BUCKET}/ds/r", mode="ranges", cache_dir=tmp_path / "cache",
+                                 storage_options=_via(proxy))
+    assert isinstance(ds, RemoteMDSDataset) and len(ds) == 100
+    shards = {m.raw_basename for m in ds.metas}
+    order = list(range(100))
+    random.Random(3).shuffle(order)  # an exact global shuffle
+    proxy.reset()
+    got = []
+    for b in range(0, 100, 50):
+        batch = order[b:b + 50]
+        got += [(int(s["id"]), bytes(s["blob"])) for s in ds.__getitems__(batch)]
+    assert got == [(i, rows[i]["blob"]) for i in order]
+    sample_gets = [(p, r) for p, r in proxy.gets if any(p.endswith(s) for s in shards)]
+    header_gets = [g for g in sample_gets if g[1] and g[1].startswith("bytes=0-")]
+    assert len(sample_gets) - len(header_gets) < 100  # coalescing: fewer GETs than samples
+    sample_bytes = sum(len(rows[i]["blob"]) + 16 for i in order)  # + each sample's size header
+    header_bytes = sum(4 + 4 * (m.samples + 1) for m in ds.metas)
+    assert proxy.bytes_sent <= 1.1 * sample_bytes + header_bytes, (proxy.bytes_sent, sample_bytes)
+    assert not any(r is None for _, r in sample_gets)  # never a whole-shard GET
+    assert not os.listdir(tmp_path / "cache" / "remote" / "objects") or all(
+        n.endswith("index.json") for n in os.listdir(tmp_path / "cache" / "remote" / "objects"))
+    # through torch's loader with forked workers: __getitems__ per batch
+    loader = torch.utils.data.DataLoader(ds, batch_size=25, shuffle=True, num_workers=2,
+                                         collate_fn=lambda b: [(int(s["id"]), bytes(s["blob"])) for s in b])
+    seen = sorted(x for batch in loader for x in batch)
+    assert seen == [(i, rows[i]["blob"]) for i in range(100)]
+    ours = torchforge.DataLoader(ds, batch_size=25, shuffle=True, num_workers=2,
+                                 collate_fn=lambda b: [(int(s["id"]), bytes(s["blob"])) for s in b])
+    assert sorted(x for batch in ours for x in batch) == [(i, rows[i]["blob"]) for i in range(100)]
+    with pytest.raises(ValueError, match="lazy=True needs mode='shards'"):
+        torchforge.open_dataset(f"s3://{BUCKET}/ds/r", mode="ranges", lazy=True, storage_options=_via(proxy))

@@ -8,28 +8,42 @@ number of ranks and DataLoader workers, size and the hashes index.json records c
 is used, nothing partial ever read), then memory-mapped as a local shard. DataLoader workers, forked
 or spawned, reach the fetcher themselves; no process here ever imports the object-store client.
 
-Not yet here (issue 13): ``mode="ranges"``, JINX and safetensors datasets at a URL, prefetching in the
-sampler's order, and eviction protection for shards that are mapped (an evicted shard stays readable to
-the processes that have it mapped, Linux keeps the unlinked file until they unmap it).
+``mode="ranges"`` fetches no whole shard: each shard's offset table is read once (one small range), and
+a sample's bytes are one range of its shard. A batch (``__getitems__``, which torch's and torchforge's
+loaders call with a batch's indices) is read with one request per shard touched, its samples'
+ranges merged where the bytes between them cost at most ``RANGE_WASTE`` of what the batch reads (so the
+bytes fetched stay within 1.1x of the samples' bytes while neighbours share a GET). This is an exact
+global shuffle over a dataset of any size with no cache at all. It needs shards that are not compressed
+as a whole (``sample::`` compression is fine).
+
+Not yet here (issue 13): JINX and safetensors datasets at a URL, prefetching in the sampler's order, and
+eviction protection for shards that are mapped (an evicted shard stays readable to the processes that
+have it mapped: Linux keeps the unlinked file until they unmap it).
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
+import operator
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 from torchforge.datasets.mds import MDSDataset
+from torchforge.errors import CorruptShardError
 from torchforge.formats.mds import INDEX_BASENAME
-from torchforge.formats.mds_reader import ShardMeta
+from torchforge.formats.mds_reader import SampleDecoder, ShardMeta
 from torchforge.remote import connect, is_remote
 from torchforge.sizes import parse_size
 
 __all__ = ["RemoteMDSDataset", "is_remote"]
 
-MODES = ("shards",)
+MODES = ("shards", "ranges")
+RANGE_WASTE = 0.1  # bytes between merged ranges, as a share of the bytes a batch reads
 
 
 class RemoteMDSDataset(MDSDataset):
@@ -54,7 +68,9 @@ class RemoteMDSDataset(MDSDataset):
                  cache_limit: int | str | None = None, mode: str = "shards",
                  storage_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         if mode not in MODES:
-            raise ValueError(f"mode={mode!r} is not one of {list(MODES)} for an MDS dataset at a URL yet")
+            raise ValueError(f"mode={mode!r} is not one of {list(MODES)}")
+        if mode == "ranges" and kwargs.get("lazy"):
+            raise ValueError("lazy=True needs mode='shards' (a lazy sample maps its shard)")
         self.url = url.rstrip("/") + (f"/{split.strip('/')}" if split else "")
         self.mode = mode
         self.storage_options = dict(storage_options or {})
@@ -70,6 +86,13 @@ class RemoteMDSDataset(MDSDataset):
         folder = os.path.join(client.cache_dir, "datasets", key)
         _place(index, os.path.join(folder, INDEX_BASENAME))
         super().__init__(folder, **kwargs)
+        self._offsets: dict[int, list[int]] = {}
+        self._decoders: dict[int, Any] = {}
+        if mode == "ranges":
+            whole = [m.zip_basename for m in self.metas if m.zip_basename is not None]
+            if whole:
+                raise ValueError(f"mode='ranges' needs shards that are not compressed as a whole; {whole[0]!r} "
+                                 "is: use mode='shards'")
 
     def _client(self) -> Any:
         """This process's connection to the node's fetcher (a forked worker opens its own)."""
@@ -77,10 +100,105 @@ class RemoteMDSDataset(MDSDataset):
             self._client_of = (os.getpid(), connect(self._remote_cache))
         return self._client_of[1]
 
+    # --- mode="ranges" ------------------------------------------------------------------------------
+    def _shard_url(self, k: int) -> str:
+        return f"{self.url}/{self.metas[k].raw_basename}"
+
+    def _offsets_of(self, k: int) -> list[int]:
+        """Shard ``k``'s sample offsets, read once (one small range) and checked like a local shard's."""
+        offs = self._offsets.get(k)
+        if offs is None:
+            m, url = self.metas[k], self._shard_url(k)
+            head = 4 + 4 * (m.samples + 1)
+            (data,) = self._client().get_ranges(url, [(0, min(head, m.raw_bytes))],
+                                                storage_options=self.storage_options)
+            if len(data) < head or struct.unpack_from("<I", data)[0] != m.samples:
+                raise CorruptShardError(f"the shard's header does not hold {m.samples} samples as index.json "
+                                        "says", path=url, offset=0)
+            offs = list(struct.unpack_from(f"<{m.samples + 1}I", data, 4))
+            if not (head <= offs[0] and offs[-1] == m.raw_bytes
+                    and all(a <= b for a, b in itertools.pairwise(offs))):
+                raise CorruptShardError("the shard's sample offsets are out of order or outside the shard",
+                                        path=url, offset=4)
+            self._offsets[k] = offs
+        return offs
+
+    def _decoder(self, k: int) -> Any:
+        dec = self._decoders.get(k)
+        if dec is None:
+            dec = self._decoders[k] = SampleDecoder(self.metas[k], self._shard_url(k),
+                                                    allow_unsafe_types=self.allow_unsafe_types,
+                                                    columns=self.columns, zero_copy=self.zero_copy)
+        return dec
+
+    def _decode(self, k: int, j: int, data: bytes) -> Any:
+        m = self.metas[k]
+        begin = self._offsets_of(k)[j]
+        if m.compression is not None and m.compression.per_sample:
+            data = m.compression.codec.decompress(data, path=self._shard_url(k), offset=begin)
+        return self._decoder(k).decode(data, begin)
+
+    def _read(self, indices: list[int]) -> list[Any]:
+        """The samples at ``indices`` (in order): one coalesced read per shard they touch."""
+        by_shard: dict[int, list[tuple[int, int]]] = {}
+        for pos, i in enumerate(indices):
+            k, j = self._locate(i)
+            by_shard.setdefault(k, []).append((pos, j))
+        out: list[Any] = [None] * len(indices)
+        for k, wanted in by_shard.items():
+            offs = self._offsets_of(k)
+            spans = sorted({(offs[j], offs[j + 1]) for _, j in wanted})
+            merged = _merge(spans, RANGE_WASTE)
+            blobs = self._client().get_ranges(self._shard_url(k), merged, gap=0,
+                                              storage_options=self.storage_options)
+            for pos, j in wanted:
+                b, e = offs[j], offs[j + 1]
+                r = bisect.bisect_right(merged, (b, float("inf"))) - 1
+                start = merged[r][0]
+                out[pos] = self._decode(k, j, bytes(blobs[r][b - start:e - start]))
+        return out
+
+    def _get(self, i: int) -> Any:
+        if self.mode == "ranges":
+            return self._read([i])[0]
+        return super()._get(i)
+
+    def __getitem__(self, i: int) -> Any:
+        if self.mode == "ranges":
+            n = len(self)
+            i = operator.index(i)
+            if i < 0:
+                i += n
+            if not 0 <= i < n:
+                raise IndexError(f"index {i} out of range for MDSDataset of {n} samples")
+            return self._read([i])[0]
+        return super().__getitem__(i)
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """A batch of samples (torch's DataLoader calls this with a batch's indices)."""
+        if self.mode != "ranges":
+            return [self[i] for i in indices]
+        n = len(self)
+        idx = [operator.index(i) for i in indices]
+        for i in idx:
+            if not -n <= i < n:
+                raise IndexError(f"index {i} out of range for MDSDataset of {n} samples")
+        return self._read([i + n if i < 0 else i for i in idx])
+
+    def __iter__(self) -> Any:
+        if self.mode != "ranges":
+            yield from super().__iter__()
+            return
+        step = 256
+        for first in range(0, len(self), step):
+            yield from self._read(list(range(first, min(first + step, len(self)))))
+
     def _check_file(self, m: ShardMeta) -> str:
         return ""  # fetched on first use (see _shard)
 
     def _shard(self, k: int) -> Any:
+        if self.mode == "ranges":
+            raise ValueError("mode='ranges' maps no shard: this needs mode='shards'")
         if not self._files[k]:
             m = self.metas[k]
             zipped = m.zip_basename is not None
@@ -101,6 +219,28 @@ class RemoteMDSDataset(MDSDataset):
         state = super().__getstate__()
         state["_client_of"] = None  # a connection does not travel: the other process opens its own
         return state
+
+
+def _merge(spans: list[tuple[int, int]], waste: float) -> list[tuple[int, int]]:
+    """Sorted byte ranges merged across their smallest gaps while the gap bytes fetched stay within
+    ``waste`` of the bytes the ranges hold (touching ranges always merge)."""
+    if not spans:
+        return []
+    budget = waste * sum(e - s for s, e in spans)
+    gaps = sorted((spans[i + 1][0] - spans[i][1], i) for i in range(len(spans) - 1))
+    join = set()
+    for gap, i in gaps:
+        if gap > 0 and gap > budget:
+            break
+        join.add(i)
+        budget -= max(gap, 0)
+    out = [list(spans[0])]
+    for i in range(1, len(spans)):
+        if i - 1 in join:
+            out[-1][1] = max(out[-1][1], spans[i][1])
+        else:
+            out.append(list(spans[i]))
+    return [(s, e) for s, e in out]
 
 
 def _place(src: str, dst: str) -> None:
