@@ -31,6 +31,7 @@ import shutil
 import struct
 import tempfile
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torchforge.datasets.mds import MDSDataset
@@ -44,6 +45,7 @@ __all__ = ["RemoteMDSDataset", "is_remote"]
 
 MODES = ("shards", "ranges")
 RANGE_WASTE = 0.1  # bytes between merged ranges, as a share of the bytes a batch reads
+READERS = 4  # shards whose ranges a process reads at once (one fetcher connection each)
 
 
 class RemoteMDSDataset(MDSDataset):
@@ -76,7 +78,7 @@ class RemoteMDSDataset(MDSDataset):
         self.storage_options = dict(storage_options or {})
         self.cache_limit = None if cache_limit is None else parse_size(cache_limit, option="cache_limit")
         self._remote_cache = None if cache_dir is None else os.path.abspath(os.fspath(cache_dir))
-        self._client_of: tuple[int, Any] | None = None
+        self._client_of: tuple[Any, ...] | None = None  # (pid, connections, thread pool)
         client = self._client()
         index_url = f"{self.url}/{INDEX_BASENAME}"
         info = client.head(index_url, storage_options=self.storage_options)
@@ -96,22 +98,29 @@ class RemoteMDSDataset(MDSDataset):
 
     def _client(self) -> Any:
         """This process's connection to the node's fetcher (a forked worker opens its own)."""
+        return self._clients()[0]
+
+    def _clients(self) -> list[Any]:
+        """This process's ``READERS`` connections to the fetcher (one request at a time each) and the
+        threads that use them to read several shards' ranges at once."""
         if self._client_of is None or self._client_of[0] != os.getpid():
-            self._client_of = (os.getpid(), connect(self._remote_cache))
+            n = READERS if self.mode == "ranges" else 1
+            self._client_of = (os.getpid(), [connect(self._remote_cache) for _ in range(n)],
+                               ThreadPoolExecutor(n, thread_name_prefix="torchforge-ranges"))
         return self._client_of[1]
 
     # --- mode="ranges" ------------------------------------------------------------------------------
     def _shard_url(self, k: int) -> str:
         return f"{self.url}/{self.metas[k].raw_basename}"
 
-    def _offsets_of(self, k: int) -> list[int]:
+    def _offsets_of(self, k: int, client: Any = None) -> list[int]:
         """Shard ``k``'s sample offsets, read once (one small range) and checked like a local shard's."""
         offs = self._offsets.get(k)
         if offs is None:
             m, url = self.metas[k], self._shard_url(k)
             head = 4 + 4 * (m.samples + 1)
-            (data,) = self._client().get_ranges(url, [(0, min(head, m.raw_bytes))],
-                                                storage_options=self.storage_options)
+            (data,) = (client or self._client()).get_ranges(url, [(0, min(head, m.raw_bytes))],
+                                                            storage_options=self.storage_options)
             if len(data) < head or struct.unpack_from("<I", data)[0] != m.samples:
                 raise CorruptShardError(f"the shard's header does not hold {m.samples} samples as index.json "
                                         "says", path=url, offset=0)
@@ -145,13 +154,23 @@ class RemoteMDSDataset(MDSDataset):
             k, j = self._locate(i)
             by_shard.setdefault(k, []).append((pos, j))
         out: list[Any] = [None] * len(indices)
-        for k, wanted in by_shard.items():
-            offs = self._offsets_of(k)
-            spans = sorted({(offs[j], offs[j + 1]) for _, j in wanted})
-            merged = _merge(spans, RANGE_WASTE)
-            blobs = self._client().get_ranges(self._shard_url(k), merged, gap=0,
-                                              storage_options=self.storage_options)
-            for pos, j in wanted:
+        clients = self._clients()
+
+        def read(n: int, k: int) -> tuple[list[tuple[int, int]], list[bytes]]:
+            client = clients[n % len(clients)]
+            offs = self._offsets_of(k, client)
+            merged = _merge(sorted({(offs[j], offs[j + 1]) for _, j in by_shard[k]}), RANGE_WASTE)
+            return merged, client.get_ranges(self._shard_url(k), merged, gap=0, storage_options=self.storage_options)
+
+        shards = list(by_shard)
+        if len(shards) == 1:
+            results = [read(0, shards[0])]
+        else:  # the shards' requests at once, one connection each (READERS at a time)
+            assert self._client_of is not None
+            results = list(self._client_of[2].map(read, range(len(shards)), shards))
+        for k, (merged, blobs) in zip(shards, results):
+            offs = self._offsets[k]
+            for pos, j in by_shard[k]:
                 b, e = offs[j], offs[j + 1]
                 r = bisect.bisect_right(merged, (b, float("inf"))) - 1
                 start = merged[r][0]
