@@ -37,7 +37,6 @@ import itertools
 import json
 import os
 import re
-import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchforge._proc import host_name, pid_alive
 from torchforge.checkpoint.digest import BlockDigest
 from torchforge.checkpoint.state import TensorTable, decode, encode
 from torchforge.checkpoint.writer import (
@@ -72,11 +72,6 @@ def active() -> bool:
 
 def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if active() else (0, 1)
-
-
-def host_name() -> str:
-    """This host's name as it appears in temporary folder names (letters, digits and _)."""
-    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:40] or "host"
 
 
 def tmp_name(step: int, pid: int | None = None, host: str | None = None, nonce: str | None = None) -> str:
@@ -374,23 +369,6 @@ def _dead_ranks(tmp: str, waiting: list[int]) -> list[str]:
                 and not pid_alive(who["pid"]):
             dead.append(f"rank {r} (pid {who['pid']})")
     return dead
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (and is not a zombie)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed process its parent has not reaped yet (a zombie) is gone too
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _wait_for(cond: Callable[[], bool], timeout: float, what: str, where: str) -> None:

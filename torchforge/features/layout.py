@@ -21,14 +21,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from torchforge.checkpoint.distributed import pid_alive
+from torchforge._proc import host_name, pid_alive
 from torchforge.errors import FormatError, NotFoundError
 from torchforge.formats.safetensors import DTYPES, fsync_dir
 
@@ -251,13 +250,13 @@ def claim_version(root: str, manifest: Manifest) -> bool:
 # --- files -------------------------------------------------------------------------------------------
 def temp_name(folder: str, stem: str, suffix: str = "") -> str:
     """A temporary file name in ``folder`` that says who made it: ``.tmp-<host>-<pid>-<stem>-<rand>``."""
-    host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:32]
+    host = host_name()
     return os.path.join(folder, f".tmp-{host}-{os.getpid()}-{stem}-{uuid.uuid4().hex[:8]}{suffix}")
 
 
 def stale_temp_files(root: str) -> list[str]:
     """Temporary files under ``root`` left by processes of this host that no longer run."""
-    host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:32]
+    host = host_name()
     pat = re.compile(rf"\.tmp-{re.escape(host)}-(\d+)-")
     out = []
     for sub in (SHARDS, INDEX, VERSIONS, ""):

@@ -32,11 +32,11 @@ import hashlib
 import os
 import re
 import secrets
-import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from torchforge._proc import host_name, pid_alive
 from torchforge.cache import user_cache_dir
 from torchforge.remote.errors import CacheFullError, RemoteCorruptError
 from torchforge.sizes import parse_size
@@ -46,7 +46,7 @@ __all__ = ["POLICIES", "CachedObject", "ObjectCache", "url_key", "version_key"]
 _NAME = re.compile(r"^(?P<url>[0-9a-f]{16})(?P<ver>[0-9a-f]{16})-(?P<name>[A-Za-z0-9_-][A-Za-z0-9._-]{0,79})$")
 _TMP = re.compile(r"^(?P<final>[0-9a-f]{32}-[A-Za-z0-9._-]+)\.tmp\.(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>\d+)"
                   r"\.[0-9a-f]{8}$")
-_HOST = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:64] or "host"
+_HOST = host_name()
 
 
 def url_key(url: str) -> str:
@@ -86,16 +86,6 @@ def lru(objects: Sequence[CachedObject], next_use: Mapping[str, int]) -> list[Ca
 
 
 POLICIES: dict[str, EvictionPolicy] = {"belady": belady, "lru": lru}
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextlib.contextmanager
@@ -205,7 +195,7 @@ class ObjectCache:
             for e in it:
                 tmp = _TMP.match(e.name)
                 if tmp is not None:
-                    if tmp["host"] == _HOST and not _pid_alive(int(tmp["pid"])):
+                    if tmp["host"] == _HOST and not pid_alive(int(tmp["pid"])):
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(e.path)
                         continue

@@ -1,0 +1,33 @@
+"""Who made a temporary file, and whether it is still running: the host name as it appears in temporary
+names, and a process liveness check. Checkpoints, the feature store and the remote cache name their
+temporary files with both, so that a leftover of a dead process on this host is cleaned up and another
+host's file on a shared filesystem is never touched."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+
+__all__ = ["host_name", "pid_alive"]
+
+
+def host_name() -> str:
+    """This host's name as it appears in temporary names (letters, digits and ``_``)."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (a zombie its parent has not reaped counts as gone)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
