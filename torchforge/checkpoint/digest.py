@@ -22,17 +22,17 @@ import numpy as np
 
 from torchforge.errors import CheckpointError
 
-__all__ = ["BLOCK", "PAGE", "BlockDigest", "verify_files"]
+__all__ = ["BLOCK", "PAGE", "BlockDigest", "PageSums", "verify_files"]
 
 BLOCK = 64 << 20  # checksum granularity (the writer cuts its parallel writes on the same boundaries)
 PAGE = 4096
 
 
-class BlockDigest:
-    """Streaming digest of one block: BLAKE2b-128 of the 64-bit word sums of its 4 KiB pages."""
+class _Pages:
+    """Cuts a stream of bytes into whole 4 KiB pages and hands each run of whole pages to ``_pages``; the
+    bytes of a page not yet complete wait in ``_tail``."""
 
     def __init__(self) -> None:
-        self._h = hashlib.blake2b(digest_size=16)
         self._tail = bytearray()  # bytes of a page not yet complete
         self._n = 0
 
@@ -51,16 +51,54 @@ class BlockDigest:
             self._pages(v[pos: pos + full])
         self._tail += v[pos + full:]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes seen so far."""
+        return self._n
+
+    def _pages(self, buf: Any) -> None:
+        raise NotImplementedError
+
+    def _padded_tail(self) -> bytes:
+        """The incomplete last page, zero-padded to a whole page."""
+        return bytes(self._tail) + bytes(-len(self._tail) % PAGE)
+
+
+class BlockDigest(_Pages):
+    """Streaming digest of one block: BLAKE2b-128 of the 64-bit word sums of its 4 KiB pages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._h = hashlib.blake2b(digest_size=16)
+
     def _pages(self, buf: Any) -> None:
         self._h.update(_page_sums(np.frombuffer(buf, dtype=np.uint8)).astype("<u8", copy=False).tobytes())
 
     def hexdigest(self) -> str:
         if self._tail:
-            self._tail += bytes(-len(self._tail) % PAGE)
-            self._pages(self._tail)
+            self._pages(self._padded_tail())
             self._tail = bytearray()
         self._h.update(self._n.to_bytes(8, "little"))  # zero padding must not hide a length change
         return self._h.hexdigest()
+
+
+class PageSums(_Pages):
+    """:class:`BlockDigest`'s page sums, kept rather than hashed, for a file whose first bytes (a header)
+    are known only at the end: :meth:`hexdigest` puts them first and gives the digest of the whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums: list[np.ndarray] = []
+
+    def _pages(self, buf: Any) -> None:
+        self.sums.append(_page_sums(np.frombuffer(buf, dtype=np.uint8)))
+
+    def hexdigest(self, head: bytes) -> str:
+        """The digest of ``head`` (whole pages) followed by the bytes seen."""
+        sums = [_page_sums(np.frombuffer(head, np.uint8)), *self.sums]
+        if self._tail:
+            sums.append(_page_sums(np.frombuffer(self._padded_tail(), np.uint8)))
+        return _digest_of_sums(sums, len(head) + self._n)
 
 
 def _page_sums(a: np.ndarray) -> np.ndarray:

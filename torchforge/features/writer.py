@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Self
 import numpy as np
 import torch
 
-from torchforge.checkpoint.digest import PAGE, BlockDigest, _digest_of_sums, _page_sums
+from torchforge.checkpoint.digest import PAGE, BlockDigest, PageSums
 from torchforge.errors import FormatError, TorchforgeError
 from torchforge.features.index import IdIndex, last_writes, merge, write_index
 from torchforge.features.layout import (
@@ -91,38 +91,6 @@ _PIECE = 4 << 20  # bytes of a stream column digested then written at a time (st
 _STREAM_MIN = 64  # row bytes from which a column is streamed rather than buffered
 
 
-class _PageSums:
-    """:class:`BlockDigest`'s page sums of a file from its second page on, kept rather than hashed: the
-    first page (the header) is known last, and the digest hashes the sums in file order."""
-
-    def __init__(self) -> None:
-        self.sums: list[np.ndarray] = []
-        self.tail = bytearray()  # bytes of a page not yet complete
-        self.n = 0
-
-    def update(self, v: memoryview) -> None:
-        self.n += len(v)
-        pos = 0
-        if self.tail:
-            pos = min(PAGE - len(self.tail), len(v))
-            self.tail += v[:pos]
-            if len(self.tail) < PAGE:
-                return
-            self.sums.append(_page_sums(np.frombuffer(self.tail, np.uint8)))
-            self.tail = bytearray()
-        full = (len(v) - pos) // PAGE * PAGE
-        if full:
-            self.sums.append(_page_sums(np.frombuffer(v[pos:pos + full], np.uint8)))
-        self.tail += v[pos + full:]
-
-    def hexdigest(self, head: bytes) -> str:
-        """The digest of ``head`` (whole pages) followed by the bytes seen."""
-        sums = [_page_sums(np.frombuffer(head, np.uint8)), *self.sums]
-        if self.tail:
-            sums.append(_page_sums(np.frombuffer(bytes(self.tail) + bytes(-len(self.tail) % PAGE), np.uint8)))
-        return _digest_of_sums(sums, len(head) + self.n)
-
-
 class _OpenShard:
     """The shard being written: its temporary file, the stream column's bytes so far, the page sums."""
 
@@ -130,7 +98,7 @@ class _OpenShard:
         self.tmp = temp_name(folder, stem, ".safetensors")
         self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self.end = data_start  # where the next stream bytes go
-        self.sums = _PageSums()
+        self.sums = PageSums()
 
     def stream(self, data: memoryview) -> None:
         for a in range(0, len(data), _PIECE):
@@ -276,7 +244,7 @@ class FeatureWriter:
             head = struct.pack("<Q", self._data_start - 8) + hb + b" " * (self._data_start - 8 - len(hb))
             write_all(shard.fd, [memoryview(head)], 0)
             entry = ShardEntry(f"{SHARDS}/{self.name}-{self._shard_no}.safetensors",
-                               self._data_start + shard.sums.n, n, shard.sums.hexdigest(head))
+                               self._data_start + shard.sums.nbytes, n, shard.sums.hexdigest(head))
         except BaseException:
             self._drop_open()
             raise
