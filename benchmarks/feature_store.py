@@ -50,6 +50,7 @@ sys.path.insert(0, HERE)
 
 import numpy as np
 import torch
+from _measure import memcpy_gb_s
 from _pagecache import read_once
 
 DIM = 256
@@ -66,20 +67,6 @@ def rows_of(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The embedding and loss of each id (deterministic in the id, so any contender can be checked)."""
     emb = ((ids[:, None] % 1009) + np.arange(DIM)[None, :]).astype(np.float16)
     return emb, (ids % 10007).astype(np.float32)
-
-
-def memcpy_gb_s() -> float:
-    src = np.ones(1 << 28, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
-    return src.nbytes / best / 1e9
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def _files(path: str) -> list[str]:

@@ -43,6 +43,7 @@ sys.path.insert(0, HERE)
 
 import numpy as np
 import torch
+from _measure import memcpy_gb_s
 
 BATCH, WORKERS = 64, 2
 STEP_S = 0.002  # loop (b): the main process waits this long per batch
@@ -95,20 +96,6 @@ def epoch(make: Callable[[], Any], n: int, step: float = 0.0) -> dict[str, float
     if samples != n:
         raise RuntimeError(f"loader delivered {samples} samples, expected {n}")
     return {"samples_s": n / dt, "gb_s": payload / dt / 1e9, "seconds": dt}
-
-
-def memcpy_gb_s() -> float:
-    src = np.ones(1 << 28, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
-    return src.nbytes / best / 1e9
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 # --- data -------------------------------------------------------------------------------------------------
