@@ -35,7 +35,7 @@ test: $(VENV)/.interop
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.interop
-	$(PIP) install -q -r requirements-dev.txt -e '.[plots]'
+	$(PIP) install -q -r requirements-dev.txt -e '.[plots,bench]'
 	$(PY) benchmarks/report.py
 
 lint: $(VENV)/.test
