@@ -19,6 +19,12 @@ included), the loaders taking turns epoch by epoch; the best epoch counts.
 ``--others`` adds torch's DataLoader over MLDataForge's reader (in the Python 3.12 venv ``.venv-mldf``)
 and MosaicML Streaming's StreamingDataLoader over an MDS copy.
 
+``--device cuda`` (on a machine with a GPU) puts every batch on the device: torchforge with
+``device="cuda"`` (its slabs page-locked, each batch copied on a side stream one batch ahead) against
+torch's DataLoader with ``pin_memory=True`` and ``.to(device, non_blocking=True)`` on every tensor of the
+batch in the loop, as torch's documentation recommends. The step of loop (b) is then real device work: a
+2 ms kernel queued on the current stream, then a synchronize (as ``loss.item()`` waits in a training step).
+
 Run: ``.venv/bin/python benchmarks/loader.py [--n 20000] [--epochs 3] [--others]``. Targets: (a) torchforge
 >= 1.0x torch's 0-worker loop; (b) >= 85% of the step's bound and >= 3.5x torch's 2-worker loader; the
 padded collate at least as fast as the user collate; the same for the IterableDataset.
@@ -48,6 +54,8 @@ from _measure import memcpy_gb_s
 BATCH, WORKERS = 64, 2
 STEP_S = 0.002  # loop (b): the main process waits this long per batch
 PERSISTENT = False  # --persistent: every loader keeps its workers across epochs (one loader object each)
+DEVICE: torch.device | None = None  # --device: batches end on this device
+SLEEP_CYCLES = 0  # with a CUDA device: torch.cuda._sleep cycles that take STEP_S on the device
 
 
 def _factory(build: Callable[[], Any]) -> Callable[[], Any]:
@@ -74,10 +82,40 @@ def torch_collate(samples: list) -> dict[str, Any]:
             "messages": [[dict(m) for m in s["messages"]] for s in samples]}
 
 
-def consume(loader: Any, step: float = 0.0) -> tuple[int, int]:
+def to_device(batch: Any) -> Any:
+    """torch's recipe: pinned host batch, ``.to(device, non_blocking=True)`` on every tensor."""
+    from torchforge.loader.device import map_tensors
+
+    return map_tensors(batch, lambda t: t.to(DEVICE, non_blocking=True))
+
+
+def device_step() -> None:
+    """2 ms of device work on the current stream, then wait for it, as ``loss.item()`` does."""
+    torch.cuda._sleep(SLEEP_CYCLES)
+    torch.cuda.synchronize()
+
+
+def calibrate_sleep() -> int:
+    """torch.cuda._sleep cycles that keep the device busy for STEP_S."""
+    cycles = 1_000_000
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * STEP_S * 1000 / start.elapsed_time(end))
+
+
+def consume(loader: Any, step: float = 0.0, move: bool = False) -> tuple[int, int]:
     samples = payload = 0
     for batch in loader:
-        if step:
+        if move:
+            batch = to_device(batch)
+        if step and DEVICE is not None and DEVICE.type == "cuda":
+            device_step()
+        elif step:
             time.sleep(step)  # the training step: the main process waits on the device
         lengths = batch["image"]["lengths"]
         samples += len(batch["id"])
@@ -91,7 +129,9 @@ def consume(loader: Any, step: float = 0.0) -> tuple[int, int]:
 def epoch(make: Callable[[], Any], n: int, step: float = 0.0) -> dict[str, float]:
     """One full epoch of a fresh iterator (worker start-up included)."""
     t = time.perf_counter()
-    samples, payload = consume(make(), step)
+    loader = make()
+    # torch's loaders get their batches moved in the loop; torchforge's arrive on the device
+    samples, payload = consume(loader, step, move=DEVICE is not None and not getattr(loader, "_tf_device", False))
     dt = time.perf_counter() - t
     if samples != n:
         raise RuntimeError(f"loader delivered {samples} samples, expected {n}")
@@ -99,26 +139,35 @@ def epoch(make: Callable[[], Any], n: int, step: float = 0.0) -> dict[str, float
 
 
 # --- data -------------------------------------------------------------------------------------------------
-def write_data(root: str, n: int, seed: int) -> tuple[str, str]:
+def write_data(root: str, n: int, seed: int, with_mds: bool = True) -> tuple[str, str]:
+    """The JINX dataset (torchforge's JinxWriter) and, when asked, its MDS copy (Streaming's MDSWriter)."""
+    import contextlib
+
     from _synth import synth_samples
 
     jinx, mds = os.path.join(root, "jinx"), os.path.join(root, "mds")
-    if not os.path.exists(os.path.join(root, ".complete")):
+    done = os.path.join(root, ".complete" if with_mds else ".complete-jinx")
+    if not os.path.exists(done):
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
-        from streaming import MDSWriter
-
         from torchforge.formats.jinx import JinxWriter
 
         t = time.perf_counter()
-        with JinxWriter(jinx, shard_size=2**26, compression="zst", index_compression="zst", encoding="b64",
-                        binary_threshold=1024) as jw, MDSWriter(
-                out=mds, columns={"id": "int64", "image": "bytes", "messages": "json"}) as mw:
+        with contextlib.ExitStack() as stack:
+            jw = stack.enter_context(JinxWriter(jinx, shard_size=2**26, compression="zst", index_compression="zst",
+                                                encoding="b64", binary_threshold=1024))
+            mw = None
+            if with_mds:
+                from streaming import MDSWriter
+
+                mw = stack.enter_context(MDSWriter(out=mds, columns={"id": "int64", "image": "bytes",
+                                                                     "messages": "json"}))
             for s in synth_samples(n, seed):
                 jw.write(s)
-                mw.write(s)
-        open(os.path.join(root, ".complete"), "w").close()
-        print(f"wrote {n} samples as JINX (torchforge JinxWriter) and MDS (Streaming MDSWriter) "
+                if mw is not None:
+                    mw.write(s)
+        open(done, "w").close()
+        print(f"wrote {n} samples as JINX (torchforge JinxWriter)" + (" and MDS (Streaming MDSWriter)" if with_mds else "") + " "
               f"in {time.perf_counter() - t:.1f} s -> {root}", flush=True)
     return jinx, mds
 
@@ -140,12 +189,22 @@ def torchforge_loader(jinx: str, workers: int, iterable: bool = False, padded: b
     ds = _dataset(jinx, iterable)
     collate = padded_collate if padded else torch_collate
     kw = {"persistent_workers": PERSISTENT} if workers else {}
-    return _factory(lambda: DataLoader(ds, BATCH, num_workers=workers, collate_fn=collate, **kw))
+    if DEVICE is not None:
+        kw["device"] = DEVICE
+
+    def build() -> Any:
+        loader = DataLoader(ds, BATCH, num_workers=workers, collate_fn=collate, **kw)
+        loader._tf_device = DEVICE is not None  # batches arrive on the device: the loop moves nothing
+        return loader
+
+    return _factory(build)
 
 
 def torch_loader(jinx: str, workers: int, iterable: bool = False) -> Callable[[], Any]:
     ds = _dataset(jinx, iterable)
-    kw = {"persistent_workers": PERSISTENT} if workers else {}
+    kw: dict[str, Any] = {"persistent_workers": PERSISTENT} if workers else {}
+    if DEVICE is not None and DEVICE.type == "cuda":
+        kw["pin_memory"] = True
     return _factory(lambda: torch.utils.data.DataLoader(ds, BATCH, num_workers=workers, collate_fn=torch_collate,
                                                         **kw))
 
@@ -197,18 +256,31 @@ def main() -> None:
     ap.add_argument("--persistent", action="store_true",
                     help="every loader keeps its worker processes across epochs (persistent_workers=True)")
     ap.add_argument("--others", action="store_true", help="also MLDataForge's reader and StreamingDataLoader")
+    ap.add_argument("--device", help="put every batch on this device (e.g. cuda): see the module docstring")
     ap.add_argument("--mldf", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    global PERSISTENT
+    global PERSISTENT, DEVICE, SLEEP_CYCLES
     PERSISTENT = args.persistent
+    if args.device:
+        if args.others:
+            ap.error("--others measures host batches; run it without --device")
+        DEVICE = torch.device(args.device)
+        if DEVICE.type == "cuda":
+            torch.cuda.init()
+            SLEEP_CYCLES = calibrate_sleep()
     if args.mldf:
         mldf_child(args.mldf, args.n, 1 if not PERSISTENT else args.epochs)
         return
-    jinx, mds = write_data(f"{args.data}-{args.n}-{args.seed}", args.n, args.seed)
+    jinx, mds = write_data(f"{args.data}-{args.n}-{args.seed}", args.n, args.seed, with_mds=args.others)
     mem = memcpy_gb_s()
     print(f"{args.n} samples, batch {BATCH}, best of {args.epochs} epochs (loaders take turns, epoch by epoch, "
           f"so a busy machine hits them alike); persistent workers: {PERSISTENT}; memcpy on this machine: "
           f"{mem:.1f} GB/s; load average {os.getloadavg()} on {os.cpu_count()} cores", flush=True)
+    if DEVICE is not None:
+        name = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else str(DEVICE)
+        print(f"batches on {DEVICE} ({name}): torchforge device={DEVICE}; torch pin_memory=True and "
+              f".to(device, non_blocking=True) in the loop; step (b): {SLEEP_CYCLES} sleep cycles = "
+              f"{STEP_S * 1000:.0f} ms on the device, then synchronize", flush=True)
     runs: dict[str, tuple[Callable[[], Any] | None, float]] = {}
     for kind, iterable in (("map-style", False), ("IterableDataset", True)):
         makers = {TF: torchforge_loader(jinx, WORKERS, iterable), TF_PAD: torchforge_loader(jinx, WORKERS, iterable, True),

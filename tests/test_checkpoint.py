@@ -541,7 +541,7 @@ def test_export_loads_in_safetensors_and_transformers(tmp_path):
             assert torch.equal(v, state[k]), k
         config.save_pretrained(folder)
         loaded, info = transformers.GPT2LMHeadModel.from_pretrained(folder, output_loading_info=True)
-        assert info["missing_keys"] == [] and info["unexpected_keys"] == [], info
+        assert not info["missing_keys"] and not info["unexpected_keys"], info  # lists, or sets in transformers 5
         for k, v in loaded.state_dict().items():
             assert torch.equal(v, state[k]), k
     assert len(set(index["weight_map"].values())) == 1  # the save-time export uses max_shard_size (2GB)

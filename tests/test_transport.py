@@ -199,3 +199,12 @@ def test_padded_collate_on_the_heap():
     assert vals.dtype == torch.float64 and vals.tolist() == [2.0, 4.0]
     assert names == ["a", "b"]
     assert blobs["data"].tolist() == [[120, 121], [122, 0]] and blobs["lengths"].tolist() == [2, 1]
+
+
+def test_padded_collate_pads_zero_copy_byte_views_like_bytes():
+    from torchforge.formats.values import byte_view
+
+    views = [byte_view(b"xy"), byte_view(b"zzz"), byte_view(b"")]
+    batch = padded_collate([{"id": i, "img": v} for i, v in enumerate(views)])
+    assert batch["img"]["lengths"].tolist() == [2, 3, 0]
+    assert batch["img"]["data"].tolist() == [[120, 121, 0], [122, 122, 122], [0, 0, 0]]

@@ -34,11 +34,12 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
+from torchforge.formats.values import ByteView
 from torchforge.loader.slabs import HeapArena
 
 __all__ = ["default_collate", "empty", "padded_collate"]
 
-_BYTES_LIKE = (bytes, bytearray, memoryview)
+_BYTES_LIKE = (bytes, bytearray, memoryview, ByteView)  # ByteView: MDS bytes and JINX sidecar values
 _SCALARS = frozenset({str, int, float, bool, type(None), bytes})
 
 _arena: Any = None  # the slab arena of the task a worker is running, None elsewhere
@@ -126,7 +127,7 @@ def _field(vals: list, arena: Any) -> Any:
         t = next(iter(types))
         if issubclass(t, np.generic) and t is not np.object_:
             return _numbers(vals, np.dtype(t), arena)
-        if issubclass(t, (np.ndarray, torch.Tensor)):
+        if issubclass(t, (np.ndarray, torch.Tensor)) and t is not ByteView:
             stacked = _stack(vals, arena)
             if stacked is not None:
                 return stacked

@@ -14,10 +14,13 @@ then, so creating it cannot change how they start.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import mmap
+import os
+import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,15 +32,38 @@ log = logging.getLogger(__name__)
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``fn`` to every tensor of a nested dict/list/tuple batch."""
+    """Apply ``fn`` to every tensor of a nested batch, keeping container types as torch's ``pin_memory``
+    does: a namedtuple, a Mapping or Sequence subclass comes back as its own type (a copy updated in
+    place when mutable), falling back to a dict or list when the type cannot be rebuilt."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [map_tensors(v, fn) for v in obj]
+    if isinstance(obj, (str, bytes)):
+        return obj
+    if isinstance(obj, Mapping):
+        items = {k: map_tensors(v, fn) for k, v in obj.items()}
+        try:
+            if isinstance(obj, MutableMapping):
+                clone = copy.copy(obj)
+                clone.update(items)
+                return clone
+            return type(obj)(items)  # type: ignore[call-arg]
+        except TypeError:
+            return items
     if isinstance(obj, tuple):
-        return tuple(map_tensors(v, fn) for v in obj)
+        if hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*(map_tensors(v, fn) for v in obj))
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    if isinstance(obj, Sequence):
+        values = [map_tensors(v, fn) for v in obj]
+        try:
+            if isinstance(obj, MutableSequence):
+                clone = copy.copy(obj)
+                for i, v in enumerate(values):
+                    clone[i] = v
+                return clone
+            return type(obj)(values)  # type: ignore[call-arg]
+        except TypeError:
+            return values
     return obj
 
 
@@ -60,7 +86,12 @@ class DeviceStage:
             pin_memory = False  # torch's own iterator has warned already
         self.pin = bool(pin_memory)
         self.stream: Any = None
-        self._registered: list[tuple[int, mmap.mmap]] = []
+        # (address, mapping) of every page-locked slab mapping; the list keeps each mapping alive until
+        # it is unregistered, by close() or, for a stage nobody closed, by this finalizer: a mapping
+        # unmapped while still registered would make the next mapping at that address unregistrable
+        self._registered: list[tuple[int, Any]] = []
+        self._unregister = weakref.finalize(self, _unregister_all, self._registered, os.getpid())
+        self._unregister.atexit = False  # at exit the process's registrations go with it
         self._pending: deque[tuple[Any, Any]] = deque()
 
     @property
@@ -76,7 +107,9 @@ class DeviceStage:
         del probe
         err = torch.cuda.cudart().cudaHostRegister(ptr, len(mm), 0)
         if int(err) != 0:
-            log.warning("cudaHostRegister of a %d-byte slab failed (%s); copies will not overlap", len(mm), err)
+            _clear_cuda_error()  # or the next CUDA call in this thread reports this one's error
+            log.warning("cudaHostRegister of a %d-byte slab failed (CUDA error %d); its batches take a pinned "
+                        "copy", len(mm), int(err))
             return
         self._registered.append((ptr, mm))  # keeps the mapping alive until it is unregistered
 
@@ -111,9 +144,28 @@ class DeviceStage:
             for event, _ in self._pending:
                 event.synchronize()
             self._pending.clear()
-            for ptr, _ in self._registered:
-                torch.cuda.cudart().cudaHostUnregister(ptr)
-        self._registered.clear()
+        self._unregister()
+
+
+def _unregister_all(registered: list[tuple[int, Any]], pid: int) -> None:
+    if os.getpid() == pid:  # a forked child inherits the list, not the registrations
+        for ptr, _ in registered:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+    registered.clear()
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error of this thread (``cudaGetLastError``), which torch's cudart
+    module does not expose: through the libcudart this process has loaded."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        pass
 
 
 def _pinned(t: torch.Tensor, pin: bool) -> torch.Tensor:

@@ -24,6 +24,7 @@ import itertools
 import logging
 import random
 import time
+import traceback
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -130,6 +131,7 @@ class _Iter(_BaseDataLoaderIter):
             if self._pull_index() is _NOTHING:  # indices of batches already yielded: drawn, not loaded
                 break
         self._staged: Any = None
+        self._yielding: Any = None
         self._deferred: BaseException | None = None
 
     def _restore_position(self, resume: dict) -> None:
@@ -163,7 +165,10 @@ class _Iter(_BaseDataLoaderIter):
     def __next__(self) -> Any:
         if _profiler._is_profiler_enabled:
             return super().__next__()  # torch's, with its record_function range for the profiler
-        data = self._next_data()
+        # the batch is never a local of this frame (see _detached)
+        return self._counted(self._next_data())
+
+    def _counted(self, data: Any) -> Any:
         self._num_yielded += 1
         if self._iterable and self._IterableDataset_len_called is not None \
                 and self._num_yielded > self._IterableDataset_len_called:
@@ -188,17 +193,27 @@ class _Iter(_BaseDataLoaderIter):
             return self._pin(batch)
         if self._staged is None:
             if self._deferred is not None:
-                err, self._deferred = self._deferred, None
-                raise err
+                raise self._take_deferred()  # not a local: the frame would hold its own exception
             self._staged = self._stage_one()
-        handle, info = self._staged
-        self._staged = None
+        self._yielding, self._staged = self._staged, None
+        self._stage_ahead()  # the next batch's copy overlaps this batch's step
+        self._commit(self._yielding[1])
+        # the batch is never a local of this frame: a deferred exception's traceback reaches this frame
+        return stage.finish(self._take_yielding())
+
+    def _take_deferred(self) -> BaseException:
+        err, self._deferred = self._deferred, None
+        return err
+
+    def _take_yielding(self) -> Any:
+        handle, self._yielding = self._yielding[0], None
+        return handle
+
+    def _stage_ahead(self) -> None:
         try:
-            self._staged = self._stage_one()  # the next batch's copy overlaps this batch's step
+            self._staged = self._stage_one()
         except BaseException as e:  # noqa: BLE001 - raised after this batch is yielded, not before
-            self._deferred = e
-        self._commit(info)
-        return stage.finish(handle)
+            self._deferred = _detached(e)
 
     def _stage_one(self) -> tuple[Any, Any]:
         batch, info = self._host_next()
@@ -542,3 +557,17 @@ def _short(index: Any) -> str:
     if isinstance(index, (list, tuple)) and len(index) > 8:
         return f"{list(index[:8])}..."
     return repr(index)
+
+
+def _detached(err: BaseException) -> BaseException:
+    """An exception to raise later, without the data of the frames it passed through.
+
+    Its traceback's frames (and the frames that called them) stay alive as long as the iterator keeps
+    it: their locals are cleared (the lines stay), so no batch is kept in a cycle that only the garbage
+    collector frees. That matters with a CUDA stage: a process forked before the collector runs
+    (another loader's worker) would free those device tensors in the child, which aborts it.
+    """
+    tb = err.__traceback__
+    if tb is not None:
+        traceback.clear_frames(tb.tb_next)  # the first frame, _stage_ahead's, is still running
+    return err
