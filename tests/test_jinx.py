@@ -422,3 +422,17 @@ def test_stored_keys_with_extensions_are_not_keys_whatever_the_separator(write_j
         assert raw_key not in s
         with pytest.raises(KeyError):
             s[raw_key]  # the stored key, extension included, is not a key of the sample
+
+
+def test_a_nested_record_of_plain_values_is_a_plain_dict_fresh_for_every_read(write_jinx, tmp_path):
+    samples = [{"id": 0, "turns": [{"role": "user", "content": "hi"}, {"role": "bot", "blob": b"\x00" * 300}],
+                "meta": {"lang": "en", "n": 2}}]
+    write_jinx(tmp_path / "ds", samples, encoding="b64", binary_threshold=256)
+    ds = JinxDataset(tmp_path / "ds")
+    s = ds[0]
+    assert type(s["turns"][0]) is dict and type(s["meta"]) is dict  # nothing in them to decode
+    assert isinstance(s["turns"][1], LazySample) and s["turns"][1]["blob"] == b"\x00" * 300
+    s["turns"][0]["content"] = "changed"
+    s["meta"]["n"] = 3
+    again = ds[0]
+    assert again["turns"][0] == {"role": "user", "content": "hi"} and again["meta"] == {"lang": "en", "n": 2}
