@@ -15,7 +15,11 @@ copy or checksum, + fsync) and one copy of the state in memory (the least a non-
 snapshot before it returns, can block for). The load average is printed: other processes share the CPUs
 and the disk, so compare within one run.
 
-    .venv/bin/python benchmarks/checkpoint.py [--gib 1.0] [--rounds 5] [--dir /tmp/tf-ckpt-bench]
+With ``--device cuda`` the model and optimizer live on the GPU: every saver copies the state to the host
+(torchforge into its pinned staging buffer, safetensors and torch.save through ``.cpu()``), restores copy
+back onto the device, and the copy floor is one device-to-host copy of the state into pinned memory.
+
+    .venv/bin/python benchmarks/checkpoint.py [--gib 1.0] [--rounds 5] [--dir /tmp/tf-ckpt-bench] [--device cuda]
 """
 from __future__ import annotations
 
@@ -36,10 +40,10 @@ from torchforge.checkpoint.writer import huge_page_buffer
 from torchforge.formats.safetensors import fsync_dir
 
 
-def build(gib: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(gib: float, device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     dim = 2048
     layers = max(1, round(gib * 2**30 / 3 / (4 * (dim * dim + dim))))  # params + 2 AdamW moments
-    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -90,7 +94,18 @@ def disk_floor(folder: str, nbytes: int, threads: int = 8, run: int = 32 << 20) 
 
 def copy_floor(tensors: list[torch.Tensor], dst: np.ndarray, pool: ThreadPoolExecutor) -> float:
     """One copy of every tensor into a preallocated buffer, one tensor per task on ``pool`` (numpy
-    releases the GIL): what any save that snapshots the state before it returns must pay at least."""
+    releases the GIL): what any save that snapshots the state before it returns must pay at least.
+    Device tensors: one device-to-host copy each into a pinned buffer, then a synchronize."""
+    if tensors and tensors[0].is_cuda:
+        pinned = torch.from_numpy(dst)
+        t0 = time.perf_counter()
+        pos = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            pinned[pos: pos + n].copy_(t.view(-1).view(torch.uint8), non_blocking=True)
+            pos += n
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
     jobs, pos = [], 0
     for t in tensors:
         n = t.numel() * t.element_size()
@@ -113,14 +128,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/tf-ckpt-bench")
     ap.add_argument("--threads", type=int, default=None, help="torchforge writer threads (default: its own)")
+    ap.add_argument("--device", default="cpu", help="where the model and optimizer live (cpu, cuda)")
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     torch.manual_seed(0)
-    model, opt = build(args.gib)
+    model, opt = build(args.gib, args.device)
     mt, ot = tensors_of(model, opt)
     total = sum(t.numel() * t.element_size() for t in (*mt.values(), *ot.values()))
-    print(f"model + AdamW state: {total / 2**30:.3f} GiB in {len(mt) + len(ot)} tensors, "
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "host memory"
+    print(f"model + AdamW state: {total / 2**30:.3f} GiB in {len(mt) + len(ot)} tensors on {where}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
 
     tpath, sm, so = (os.path.join(args.dir, n) for n in ("torch.pt", "model.safetensors", "opt.safetensors"))
@@ -174,9 +191,12 @@ def main() -> None:
         "torchforge restore": lambda: ck.restore(model=model, optimizer=opt),
     }
     nb_return, nb_write = "torchforge save(blocking=False) returns", "torchforge background write"
-    floor_disk, floor_copy = "floor: bare O_DIRECT write + fsync", "floor: one copy of the state (2 threads)"
     flat = [t for t in (*mt.values(), *ot.values()) if t.numel()]
-    copy_dst = np.empty(sum(t.numel() * t.element_size() for t in flat), np.uint8)
+    on_device = bool(flat) and flat[0].is_cuda
+    floor_disk = "floor: bare O_DIRECT write + fsync"
+    floor_copy = "floor: one copy of the state " + ("(device to pinned host)" if on_device else "(2 threads)")
+    nbytes = sum(t.numel() * t.element_size() for t in flat)
+    copy_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy() if on_device else np.empty(nbytes, np.uint8)
     copy_dst.fill(0)  # its pages are touched before any timing, like the checkpointer's staging buffer
     copy_pool = ThreadPoolExecutor(2)
     res: dict[str, list[float]] = {k: [] for k in (*saves, *restores, nb_return, nb_write, floor_disk, floor_copy)}

@@ -435,3 +435,21 @@ def test_an_ended_device_iterator_frees_its_batches_without_the_garbage_collecto
         assert [r() is None for r in refs] == [True] * 8
     finally:
         gc.enable()
+
+
+def test_device_stage_walk_keeps_types_and_leaves_tensorless_parts_alone():
+    from collections import OrderedDict, namedtuple
+
+    from torchforge.loader.device import map_tensors
+
+    Pair = namedtuple("Pair", "a b")
+    text = [[{"role": "user", "content": "hi"}] * 3] * 4
+    batch = {"x": Pair(torch.ones(2), [torch.zeros(1), "s"]), "od": OrderedDict(z=torch.ones(1)),
+             "t": (1, torch.ones(1)), "text": text, "r": range(3)}
+    out = map_tensors(batch, lambda t: t + 1)
+    assert isinstance(out["x"], Pair) and torch.equal(out["x"].a, torch.full((2,), 2.0))
+    assert torch.equal(out["x"].b[0], torch.ones(1)) and out["x"].b[1] == "s"
+    assert type(out["od"]) is OrderedDict and torch.equal(out["od"]["z"], torch.full((1,), 2.0))
+    assert type(out["t"]) is tuple and out["t"][0] == 1 and torch.equal(out["t"][1], torch.full((1,), 2.0))
+    assert out["text"] is text and out["r"] == [0, 1, 2]  # nothing to move: the same list, not a copy
+    assert torch.equal(batch["t"][1], torch.ones(1))  # the input batch is not changed

@@ -31,12 +31,51 @@ __all__ = ["DeviceStage", "map_tensors"]
 log = logging.getLogger(__name__)
 
 
+_LEAVES = frozenset({str, bytes, int, float, bool, type(None)})
+
+
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Apply ``fn`` to every tensor of a nested batch, keeping container types as torch's ``pin_memory``
     does: a namedtuple, a Mapping or Sequence subclass comes back as its own type (a copy updated in
-    place when mutable), falling back to a dict or list when the type cannot be rebuilt."""
-    if isinstance(obj, torch.Tensor):
+    place when mutable), falling back to a dict or list when the type cannot be rebuilt.
+
+    Plain dicts, lists and tuples holding no tensor come back as themselves, not copied: a batch's
+    text (lists of chat turns, say) costs one type check per value, once per batch on the main thread.
+    """
+    t = type(obj)
+    if t in _LEAVES:
+        return obj
+    if t is torch.Tensor or isinstance(obj, torch.Tensor):
         return fn(obj)
+    if t is dict:
+        out = None
+        for k, v in obj.items():
+            if type(v) in _LEAVES:
+                continue
+            new = map_tensors(v, fn)
+            if new is not v:
+                if out is None:
+                    out = dict(obj)
+                out[k] = new
+        return obj if out is None else out
+    if t is list or t is tuple:
+        changed = None
+        for i, v in enumerate(obj):
+            if type(v) in _LEAVES:
+                continue
+            new = map_tensors(v, fn)
+            if new is not v:
+                if changed is None:
+                    changed = list(obj)
+                changed[i] = new
+        if changed is None:
+            return obj
+        return changed if t is list else tuple(changed)
+    return _map_other(obj, fn)
+
+
+def _map_other(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Containers other than plain dict, list and tuple, rebuilt as torch's ``pin_memory`` rebuilds them."""
     if isinstance(obj, (str, bytes)):
         return obj
     if isinstance(obj, Mapping):
@@ -119,20 +158,28 @@ class DeviceStage:
             return map_tensors(batch, lambda t: t.to(self.device)) if self.device is not None else batch
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
+        tensors: list[torch.Tensor] = []  # the device tensors, for record_stream in finish()
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            out = _pinned(t, self.pin).to(self.device, non_blocking=True)
+            tensors.append(out)
+            return out
+
         with torch.cuda.stream(self.stream):
-            moved = map_tensors(batch, lambda t: _pinned(t, self.pin).to(self.device, non_blocking=True))
+            moved = map_tensors(batch, move)
             event = torch.cuda.Event()
             event.record(self.stream)
-        return (moved, event, batch)
+        return (moved, tensors, event, batch)
 
     def finish(self, handle: Any) -> Any:
         """The device batch of a handle, ready for use on the current stream."""
         if not self.cuda:
             return handle
-        moved, event, host = handle
+        moved, tensors, event, host = handle
         current = torch.cuda.current_stream(self.device)
         current.wait_event(event)
-        map_tensors(moved, lambda t: (t.record_stream(current), t)[1])
+        for t in tensors:
+            t.record_stream(current)
         self._pending.append((event, host))  # the host slab must outlive the copy
         while self._pending and self._pending[0][0].query():
             self._pending.popleft()
