@@ -17,11 +17,23 @@ from those named repeats, no index appears twice in an epoch.
 A shuffled order is never materialised: :class:`~torchforge._permute.Permutation` computes the index at
 any position directly (a Feistel bijection), so the state is O(1) and an epoch of 100M indices is
 produced in chunks in constant memory. Sorted orders keep one int64 array of ``n`` (the argsort).
+
+Node affinity (``shard_affinity=True``), for datasets too big for every node to read all of: the
+shards are assigned to nodes by rendezvous (highest-random-weight) hashing, see
+:func:`rendezvous_assign`, and each node has its own order per epoch, an exact seeded shuffle of the
+samples of its shards, shared out to the node's local ranks as above (local rank ``l`` of ``L`` takes
+node positions ``s + l, s + l + L, ...``). A shard's node depends only on the seed, the shard and the
+node, never on the number of nodes, so when nodes come or go only the shards of those nodes move
+(about ``1/N`` of them), and a node keeps its shards from epoch to epoch (its page cache stays warm).
+Nodes hold different numbers of samples, yet every rank yields the same count: each node's order is
+padded by repeating it from its start up to ``L * ceil(largest node / L)`` positions, or with
+``drop_last`` cut to ``L * floor(smallest node / L)``.
 """
 from __future__ import annotations
 
 import hashlib
 import operator
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -33,10 +45,11 @@ from torchforge._permute import EpochOrder, mix64
 from torchforge.datasets.base import ShardDataset, _dig, _to_key_array
 from torchforge.errors import TorchforgeError
 
-__all__ = ["GlobalSampler", "IterableShards", "SamplerError"]
+__all__ = ["GlobalSampler", "IterableShards", "SamplerError", "rendezvous_assign"]
 
 _CHUNK = 1 << 16  # positions computed per vectorised step when yielding Python ints
 _STATE_VERSION = 1
+_NODE_ORDER = 5  # mix64 purpose word of a node's epoch key (affinity mode)
 
 
 class SamplerError(TorchforgeError, ValueError):
@@ -68,6 +81,26 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         world_size: number of ranks; default ``torch.distributed.get_world_size()`` when
             initialised, else 1.
         drop_last: drop the tail that does not divide evenly among ranks instead of padding.
+        shard_affinity: assign whole shards to nodes by rendezvous hashing (see the module docstring)
+            and yield only samples of this node's shards. Needs the shard boundaries: ``shard_sizes``,
+            else the dataset's (``dataset.shard_sizes``, MDS ``metas``, or the per-shard counts of the
+            Jinx and safetensors datasets). Every node must receive at least one sample. Not combinable
+            with ``sort_key`` or ``bucket_size``. A state resumes only at the same world size and
+            local world size; :meth:`global_indices` does not exist (see :meth:`node_indices`).
+        shard_sizes: the number of samples of each shard, in index order (shard ``i`` holds the
+            indices after those of shards ``0..i-1``); they must add up to the dataset's length.
+            Only with ``shard_affinity``.
+        local_world_size: ranks per node; default the ``LOCAL_WORLD_SIZE`` environment variable
+            (set by torchrun), else ``world_size`` (a single node). Ranks are numbered node by node:
+            this rank's node is ``rank // local_world_size`` and its local rank
+            ``rank % local_world_size``. Every node has the same number of ranks. Only with
+            ``shard_affinity``.
+
+    Raises:
+        SamplerError: an invalid option, sort keys that are not one per sample, or with
+            ``shard_affinity``: no shard boundaries, sizes that do not add up, a local world size
+            that does not divide the world size, a node without samples, ``LOCAL_RANK`` that is not
+            ``rank % LOCAL_WORLD_SIZE``.
 
     Iterating yields Python ints. :meth:`indices` returns any range of this rank's positions as one
     numpy array and :meth:`chunks` streams the pass as arrays (the fast paths for loaders).
@@ -76,7 +109,9 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
     def __init__(self, dataset_or_len: Any, *, shuffle: bool = True, seed: int = 0,
                  sort_key: str | Callable[[Any], Any] | Sequence[Any] | np.ndarray | torch.Tensor | None = None,
                  descending: bool = False, bucket_size: int | None = None, rank: int | None = None,
-                 world_size: int | None = None, drop_last: bool = False) -> None:
+                 world_size: int | None = None, drop_last: bool = False, shard_affinity: bool = False,
+                 shard_sizes: Sequence[int] | np.ndarray | None = None,
+                 local_world_size: int | None = None) -> None:
         self.n = _length(dataset_or_len)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -87,9 +122,18 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.drop_last = bool(drop_last)
         self._ranked = None if sort_key is None else _sort_order(dataset_or_len, sort_key, self.n, descending)
+        self._affinity: _Affinity | None = None
+        if shard_affinity:
+            if sort_key is not None or bucket_size is not None:
+                raise SamplerError("shard_affinity shuffles within each node's shards: it takes no sort_key "
+                                   "or bucket_size")
+            self._affinity = _Affinity(dataset_or_len, self.n, shard_sizes, self.seed, self.rank,
+                                       self.world_size, local_world_size, self.drop_last, rank is None)
+        elif shard_sizes is not None or local_world_size is not None:
+            raise SamplerError("shard_sizes and local_world_size are options of shard_affinity=True")
         self._digest: str | None = None
         self.epoch = 0
-        self._start = 0  # global position where the current pass starts
+        self._start = 0  # global position (node position with shard_affinity) where the current pass starts
         self._yielded = 0  # indices yielded by the current pass, up to the live iterator's chunk
         self._live: tuple[int, int, Iterator[int]] | None = None  # (base, chunk length, chunk iterator)
         self._cached_order: tuple[int, EpochOrder] | None = None
@@ -146,9 +190,39 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
 
     def global_indices(self, start: int, stop: int) -> np.ndarray:
-        """The epoch's global order at positions ``[start, stop)`` (clipped to ``[0, n)``), for all ranks."""
+        """The epoch's global order at positions ``[start, stop)`` (clipped to ``[0, n)``), for all ranks.
+
+        Raises:
+            SamplerError: with ``shard_affinity``, where there is no global order (one per node).
+        """
+        if self._affinity is not None:
+            raise SamplerError("with shard_affinity there is no global order, one per node: use node_indices")
         lo, hi, _ = slice(start, stop).indices(self.n)
         return self._order()(np.arange(lo, max(lo, hi), dtype=np.int64))
+
+    def node_indices(self, start: int, stop: int) -> np.ndarray:
+        """This node's epoch order at node positions ``[start, stop)`` (clipped to the node's sample
+        count, without padding), for all of the node's local ranks; int64.
+
+        Raises:
+            SamplerError: without ``shard_affinity``.
+        """
+        aff = self._affinity
+        if aff is None:
+            raise SamplerError("node_indices needs shard_affinity=True; without it see global_indices")
+        lo, hi, _ = slice(start, stop).indices(aff.size)
+        return aff.dataset_index(self._order()(np.arange(lo, max(lo, hi), dtype=np.int64)))
+
+    @property
+    def shard_nodes(self) -> np.ndarray:
+        """The node of every shard (a read-only int64 array), with ``shard_affinity``.
+
+        Raises:
+            SamplerError: without ``shard_affinity``.
+        """
+        if self._affinity is None:
+            raise SamplerError("shard_nodes needs shard_affinity=True")
+        return self._affinity.shard_node
 
     # --- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -157,16 +231,23 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         ``position`` is ``pass start + yielded * world_size`` (capped at ``n``): the number of global
         positions consumed, which is what a sampler at another world size resumes from. A loader that
         prefetches has drawn more than the model consumed; use :meth:`state_at` with the consumed count.
+        With ``shard_affinity`` it counts the positions of each node's (padded) order instead,
+        ``pass start + yielded * local_world_size``, the same on every node.
         """
         return self.state_at(self._current_yielded())
 
     def state_at(self, yielded: int) -> dict[str, Any]:
         """The state after this rank has yielded ``yielded`` indices of the current pass."""
         yielded = min(max(int(yielded), 0), len(self))
+        aff = self._affinity
+        if aff is None:
+            position = min(self._start + yielded * self.world_size, self.n)
+        else:
+            position = min(self._start + yielded * aff.local_world_size, aff.length)
         return {
             "version": _STATE_VERSION,
             "epoch": self.epoch,
-            "position": min(self._start + yielded * self.world_size, self.n),
+            "position": position,
             "yielded": yielded,
             "world_size": self.world_size,
             "rank": self.rank,
@@ -176,7 +257,15 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` of a sampler over the same data and options, at any world
-        size: the next pass yields this rank's share of the positions not yet consumed."""
+        size: the next pass yields this rank's share of the positions not yet consumed.
+
+        With ``shard_affinity`` the state of any rank resumes every rank, at the same world size and
+        local world size only (the nodes' orders depend on the number of nodes).
+
+        Raises:
+            SamplerError: not a sampler state, another version, dataset or order, a position out of
+                range, or with ``shard_affinity`` another topology or a state saved without it.
+        """
         try:
             version, epoch, position, n = (int(state[k]) for k in ("version", "epoch", "position", "n"))
             order = state["order"]
@@ -187,12 +276,22 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         if n != self.n:
             raise SamplerError(f"the state is for {n} samples but this sampler has {self.n}; "
                                "resume over the same dataset")
+        theirs = order.get("affinity") if isinstance(order, dict) else None
+        if (theirs is None) != (self._affinity is None):
+            raise SamplerError(f"the state was saved {'with' if theirs else 'without'} shard_affinity but this "
+                               f"sampler has shard_affinity={self._affinity is not None}")
+        if self._affinity is not None:
+            self._affinity.check_resume(theirs, state.get("world_size"))
         if order != self._fingerprint():
             raise SamplerError(f"the state's order {order!r} differs from this sampler's "
                                f"{self._fingerprint()!r}: pass the same seed, shuffle, sort_key, "
                                "descending and bucket_size")
-        if epoch < 0 or not 0 <= position <= n:
-            raise SamplerError(f"state has {epoch=} and {position=}, expected epoch >= 0 and 0 <= position <= {n}")
+        limit = n if self._affinity is None else self._affinity.length
+        if epoch < 0 or not 0 <= position <= limit:
+            raise SamplerError(f"state has {epoch=} and {position=}, expected epoch >= 0 and 0 <= position <= "
+                               f"{limit}")
+        if self._affinity is not None:
+            self._affinity.check_position(position)
         self.epoch, self._start, self._yielded, self._live = epoch, position, 0, None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -203,6 +302,8 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
 
     # --- internals -----------------------------------------------------------------------------------
     def _count(self, start: int) -> int:
+        if self._affinity is not None:
+            return max(self._affinity.length - start, 0) // self._affinity.local_world_size
         left = max(self.n - start, 0)
         return left // self.world_size if self.drop_last else -(-left // self.world_size)
 
@@ -245,12 +346,28 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         """Dataset indices at local positions of a pass starting at global position ``start``."""
         if local.size == 0:
             return local
+        if self._affinity is not None:
+            return self._affinity_at(start, local)
         q = local * self.world_size + (start + self.rank)
         if q[-1] >= self.n or q[0] >= self.n:  # padding: repeat the order from its start
             q = np.where(q >= self.n, (q - self.n) % self.n, q)
         return self._order()(q)
 
+    def _affinity_at(self, start: int, local: np.ndarray) -> np.ndarray:
+        aff = self._affinity
+        assert aff is not None
+        q = local * aff.local_world_size + (start + aff.local_rank)
+        if q[-1] >= aff.size or q[0] >= aff.size:  # padding: repeat the node's order from its start
+            q = np.where(q >= aff.size, (q - aff.size) % aff.size, q)
+        return aff.dataset_index(self._order()(q))
+
     def _order(self) -> EpochOrder:
+        """The epoch's order of global positions, or with ``shard_affinity`` of this node's positions."""
+        if self._affinity is not None:
+            if self._cached_order is None or self._cached_order[0] != self.epoch:
+                key = mix64(self.seed, self.epoch, _NODE_ORDER, self._affinity.node)
+                self._cached_order = (self.epoch, EpochOrder(self._affinity.size, key, shuffle=self.shuffle))
+            return self._cached_order[1]
         if self._cached_order is None or self._cached_order[0] != self.epoch:
             shuffle = self.shuffle and (self._ranked is None or self.bucket_size is not None)
             order = EpochOrder(self.n, mix64(self.seed, self.epoch), shuffle=shuffle, ranked=self._ranked,
@@ -261,8 +378,213 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
     def _fingerprint(self) -> dict[str, Any]:
         if self._ranked is not None and self._digest is None:
             self._digest = hashlib.blake2b(memoryview(self._ranked), digest_size=16).hexdigest()
-        return {"shuffle": self.shuffle, "seed": self.seed, "bucket_size": self.bucket_size,
-                "descending": self.descending, "sorted": self._digest}
+        out: dict[str, Any] = {"shuffle": self.shuffle, "seed": self.seed, "bucket_size": self.bucket_size,
+                               "descending": self.descending, "sorted": self._digest}
+        if self._affinity is not None:
+            out["affinity"] = self._affinity.fingerprint()
+        return out
+
+
+def rendezvous_assign(num_shards: int, nodes: int, seed: int = 0) -> np.ndarray:
+    """The node of every shard by rendezvous (highest-random-weight) hashing.
+
+    Shard ``s`` goes to the node ``k`` in ``[0, nodes)`` with the largest weight
+    ``mix64(seed, s, k)`` (splitmix64, the same in every process, Python run and platform; ties, which
+    need a 64-bit collision, go to the lower node). A weight does not depend on ``nodes``, so adding
+    node ``N`` moves exactly the shards whose weight for ``N`` beats all others (about ``1/(N+1)`` of
+    them), all to the new node, and removing a node moves only that node's shards.
+
+    >>> rendezvous_assign(6, 3, seed=1).tolist()
+    [0, 2, 2, 1, 1, 0]
+
+    Args:
+        num_shards: the number of shards (``>= 0``).
+        nodes: the number of nodes (``>= 1``).
+        seed: selects an unrelated assignment.
+
+    Returns:
+        An int64 array of ``num_shards`` node numbers.
+
+    Raises:
+        SamplerError: ``num_shards < 0`` or ``nodes < 1``.
+    """
+    num_shards, nodes = int(num_shards), int(nodes)
+    if num_shards < 0:
+        raise SamplerError(f"{num_shards=} must be >= 0")
+    if nodes < 1:
+        raise SamplerError(f"{nodes=} must be >= 1")
+    shards = np.arange(num_shards, dtype=np.uint64)
+    best = np.zeros(num_shards, dtype=np.int64)
+    best_weight = _mix64_array(seed, shards, 0)
+    for k in range(1, nodes):
+        weight = _mix64_array(seed, shards, k)
+        wins = weight > best_weight
+        best[wins] = k
+        best_weight = np.where(wins, weight, best_weight)
+    return best
+
+
+def _mix64_array(seed: int, shards: np.ndarray, node: int) -> np.ndarray:
+    """``mix64(seed, s, node)`` for every ``s`` of the uint64 array ``shards``, vectorised."""
+    golden = np.uint64(0x9E3779B97F4A7C15)
+    m1, m2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+    s30, s27, s31 = np.uint64(30), np.uint64(27), np.uint64(31)
+    h = np.full(shards.shape, mix64(seed), dtype=np.uint64)  # mix64's state after the first word
+    for word in (shards, np.uint64(int(node) & ((1 << 64) - 1))):
+        h ^= word
+        h += golden
+        h = (h ^ (h >> s30)) * m1
+        h = (h ^ (h >> s27)) * m2
+        h ^= h >> s31
+    return h
+
+
+class _Affinity:
+    """This rank's place in shard-affinity mode: its node's shards, the node's size and the per-rank count.
+
+    Args:
+        dataset_or_len: the sampler's dataset or length (read for shard boundaries).
+        n: the number of samples.
+        shard_sizes: explicit per-shard sample counts, or None to read the dataset's.
+        seed: the rendezvous seed.
+        rank, world_size: this rank and the number of ranks.
+        local_world_size: ranks per node, or None for ``LOCAL_WORLD_SIZE`` / a single node.
+        drop_last: cut every node to the smallest node's count instead of padding to the largest.
+        rank_from_env: the rank came from torch.distributed (then ``LOCAL_RANK`` is checked against it).
+
+    Raises:
+        SamplerError: no shard boundaries, bad sizes, a bad local world size, a node without samples.
+    """
+
+    def __init__(self, dataset_or_len: Any, n: int, shard_sizes: Sequence[int] | np.ndarray | None, seed: int,
+                 rank: int, world_size: int, local_world_size: int | None, drop_last: bool,
+                 rank_from_env: bool) -> None:
+        sizes = _shard_sizes(dataset_or_len, shard_sizes, n)
+        local, from_env = _local_world_size(local_world_size, world_size)
+        self.local_world_size = local
+        self.nodes = world_size // local
+        self.node, self.local_rank = divmod(rank, local)
+        env_local_rank = os.environ.get("LOCAL_RANK")
+        if from_env and rank_from_env and env_local_rank is not None and env_local_rank.strip().isdigit() \
+                and int(env_local_rank) != self.local_rank:
+            raise SamplerError(f"LOCAL_RANK={env_local_rank} but rank {rank} % LOCAL_WORLD_SIZE {local} is "
+                               f"{self.local_rank}: shard_affinity needs ranks numbered node by node")
+        shard_node = rendezvous_assign(len(sizes), self.nodes, seed)
+        shard_node.setflags(write=False)
+        self.shard_node = shard_node
+        node_sizes = np.zeros(self.nodes, dtype=np.int64)
+        np.add.at(node_sizes, shard_node, sizes)
+        empty = np.flatnonzero(node_sizes == 0)
+        if empty.size:
+            raise SamplerError(f"node {int(empty[0])} of {self.nodes} holds no samples ({len(sizes)} shards over "
+                               f"{self.nodes} nodes): shard_affinity needs more, smaller shards or fewer nodes")
+        per_rank = int(node_sizes.min()) // local if drop_last else -(-int(node_sizes.max()) // local)
+        if per_rank == 0:
+            raise SamplerError(f"the smallest node holds {int(node_sizes.min())} samples, fewer than its {local} "
+                               "ranks: with drop_last every rank would yield nothing")
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        mine = np.flatnonzero(shard_node == self.node)
+        self._starts = starts[mine]
+        self._offsets = np.concatenate([[0], np.cumsum(sizes[mine])]).astype(np.int64)
+        self.size = int(self._offsets[-1])  # this node's samples
+        self.length = per_rank * local  # positions of every node's padded (or cut) order
+        self._digest = hashlib.blake2b(memoryview(np.ascontiguousarray(sizes)), digest_size=16).hexdigest()
+
+    def dataset_index(self, node_positions: np.ndarray) -> np.ndarray:
+        """Dataset indices of positions ``[0, size)`` of the node's samples (its shards, in index order)."""
+        j = np.searchsorted(self._offsets, node_positions, side="right") - 1
+        return self._starts[j] + (node_positions - self._offsets[j])
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a saved state must match: the shard sizes and the topology."""
+        return {"shards": self._digest, "nodes": self.nodes, "local_world_size": self.local_world_size}
+
+    def check_resume(self, theirs: Any, world_size: Any) -> None:
+        """Refuse a state saved at another topology or over other shards.
+
+        Raises:
+            SamplerError: the state's world size, nodes, local world size or shards differ.
+        """
+        mine = self.fingerprint()
+        if not isinstance(theirs, dict) or theirs.get("shards") != mine["shards"]:
+            raise SamplerError("the state was saved over other shard sizes: resume over the same shards")
+        if (theirs.get("nodes"), theirs.get("local_world_size")) != (self.nodes, self.local_world_size) \
+                or world_size != self.nodes * self.local_world_size:
+            raise SamplerError(f"a shard_affinity state resumes only at the same topology: it was saved at "
+                               f"world_size={world_size} ({theirs.get('nodes')} nodes of "
+                               f"{theirs.get('local_world_size')} ranks), this sampler has "
+                               f"world_size={self.nodes * self.local_world_size} ({self.nodes} nodes of "
+                               f"{self.local_world_size} ranks)")
+
+    def check_position(self, position: int) -> None:
+        """Raises SamplerError unless ``position`` is a whole number of lockstep rounds of the node's ranks."""
+        if position % self.local_world_size:
+            raise SamplerError(f"state has {position=}, expected a multiple of local_world_size "
+                               f"{self.local_world_size}")
+
+
+def _local_world_size(local_world_size: int | None, world_size: int) -> tuple[int, bool]:
+    """Ranks per node and whether they came from ``LOCAL_WORLD_SIZE``; checked to divide ``world_size``."""
+    from_env = local_world_size is None
+    if from_env:
+        raw = os.environ.get("LOCAL_WORLD_SIZE")
+        if raw is None:
+            return world_size, True
+        try:
+            local_world_size = int(raw)
+        except ValueError:
+            raise SamplerError(f"LOCAL_WORLD_SIZE={raw!r} is not an integer") from None
+    local = int(local_world_size)
+    name = "LOCAL_WORLD_SIZE" if from_env else "local_world_size"
+    if local < 1 or world_size % local:
+        raise SamplerError(f"{name}={local} must be >= 1 and divide world_size={world_size} "
+                           "(every node runs the same number of ranks)")
+    return local, from_env
+
+
+def _shard_sizes(dataset: Any, shard_sizes: Sequence[int] | np.ndarray | None, n: int) -> np.ndarray:
+    """Per-shard sample counts: the explicit ones, else the dataset's; checked to add up to ``n``."""
+    source = "shard_sizes"
+    if shard_sizes is None:
+        shard_sizes, source = _dataset_shard_sizes(dataset)
+        if shard_sizes is None:
+            raise SamplerError(f"shard_affinity needs shard boundaries, and {type(dataset).__name__} has none: "
+                               "pass shard_sizes=[samples of each shard, in index order]")
+    try:
+        sizes = np.asarray(shard_sizes)
+        if sizes.ndim != 1 or (sizes.size and sizes.dtype.kind not in "iu"):
+            raise ValueError
+        sizes = sizes.astype(np.int64)
+    except (TypeError, ValueError):
+        raise SamplerError(f"{source} must be a flat sequence of integers, got {shard_sizes!r:.200}") from None
+    if sizes.size and int(sizes.min()) < 0:
+        raise SamplerError(f"{source} must be >= 0, got {int(sizes.min())}")
+    if int(sizes.sum()) != n:
+        raise SamplerError(f"{source} add up to {int(sizes.sum())} samples but the dataset has {n}")
+    return sizes
+
+
+def _dataset_shard_sizes(dataset: Any) -> tuple[Any, str]:
+    """The dataset's per-shard counts and where they came from, or ``(None, "")``.
+
+    Read, in order: a ``shard_sizes`` attribute or method, the ``samples`` of MDS ``metas``, the per-shard
+    ``_counts`` (JinxDataset) or cumulative ``_ends`` (SafetensorsDataset).
+    """
+    if isinstance(dataset, (int, np.integer)):
+        return None, ""
+    sizes = getattr(dataset, "shard_sizes", None)
+    if sizes is not None:
+        return (sizes() if callable(sizes) else sizes), f"{type(dataset).__name__}.shard_sizes"
+    metas = getattr(dataset, "metas", None)
+    if isinstance(metas, Sequence) and all(hasattr(m, "samples") for m in metas):
+        return [m.samples for m in metas], f"{type(dataset).__name__}.metas"
+    counts = getattr(dataset, "_counts", None)
+    if isinstance(counts, Sequence):
+        return list(counts), f"{type(dataset).__name__} shard counts"
+    ends = getattr(dataset, "_ends", None)
+    if isinstance(ends, Sequence):
+        return np.diff(np.asarray(ends, dtype=np.int64), prepend=0), f"{type(dataset).__name__} shard ends"
+    return None, ""
 
 
 class IterableShards(torch.utils.data.IterableDataset):
