@@ -1,5 +1,9 @@
 """The ``torchforge`` command: convert, inspect, verify and bench datasets.
 
+Every dataset path may be a URL (``s3://``, ``gs://``, ``az://``, ``http(s)://`` read-only, ``file://``);
+``convert`` also writes to one (uploaded with the index last). The options for URLs are the same on
+every subcommand: ``--cache-dir``, ``--cache-limit``, ``--mode``, ``--storage-option KEY=VALUE``.
+
 Exit codes: 0 success, 1 damaged data (``verify``) or a failed command, 2 bad usage.
 """
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 from torchforge._inspect import format_checks, format_details
 from torchforge.convert import _materialize
 from torchforge.errors import TorchforgeError
+from torchforge.remote.url import is_remote
 
 __all__ = ["main"]
 
@@ -49,8 +54,38 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+def _remote_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``open_dataset``'s options for a URL, from ``--cache-dir``, ``--cache-limit``, ``--mode`` and
+    ``--storage-option``."""
+    out: dict[str, Any] = {}
+    if args.cache_dir is not None:
+        out["cache_dir"] = args.cache_dir
+    if args.cache_limit is not None:
+        out["cache_limit"] = args.cache_limit
+    if args.mode is not None:
+        out["mode"] = args.mode
+    if args.storage_option:
+        out["storage_options"] = {k.replace("-", "_"): v for k, v in args.storage_option}
+    return out
+
+
+def _open(path: str, args: argparse.Namespace) -> Any:
+    """The dataset at ``path``; a URL opens with the URL options of the command line."""
+    from torchforge.datasets.base import open_dataset
+
+    return open_dataset(path, **_remote_options(args)) if is_remote(path) else open_dataset(path)
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from torchforge.convert import convert
+    from torchforge.remote.errors import RemoteExistsError
 
     options = dict(kv.split("=", 1) for kv in args.option)
     options = {k.replace("-", "_"): _num(v) for k, v in options.items()}
@@ -60,6 +95,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if clash:
         print(f"torchforge convert: {clash}; write to a destination outside the source", file=sys.stderr)
         return 2
+    remote = _remote_options(args)
+    if is_remote(args.dst):
+        t0 = time.perf_counter()
+        try:
+            options["overwrite"] = args.overwrite or bool(options.get("overwrite"))
+            stats = convert(args.src, args.dst, args.to, progress=not args.quiet, **remote, **options)
+        except RemoteExistsError as e:
+            print(f"torchforge convert: {e}", file=sys.stderr)
+            return 2
+        return _converted(stats, args, time.perf_counter() - t0)
+    args.dst = args.dst.removeprefix("file://")
     if (os.path.isdir(args.dst) and os.listdir(args.dst)) or os.path.isfile(args.dst):
         if not args.overwrite:
             print(f"torchforge convert: {args.dst} exists and is not empty; pass --overwrite", file=sys.stderr)
@@ -68,8 +114,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
         shutil.rmtree(args.dst) if os.path.isdir(args.dst) else os.remove(args.dst)
     t0 = time.perf_counter()
-    stats = convert(args.src, args.dst, args.to, progress=not args.quiet, **options)
-    dt = time.perf_counter() - t0
+    stats = convert(args.src, args.dst, args.to, progress=not args.quiet, **remote, **options)
+    return _converted(stats, args, time.perf_counter() - t0)
+
+
+def _converted(stats: Any, args: argparse.Namespace, dt: float) -> int:
     print(f"wrote {stats.written} samples to {args.dst} ({args.to}) in {dt:.2f}s "
           f"({stats.written / max(dt, 1e-9):,.0f} samples/s); skipped {stats.skipped} malformed records")
     for where in stats.skipped_where:
@@ -79,14 +128,45 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _overlap(src: str, dst: str) -> str:
     """Why ``dst`` cannot be written (and, with --overwrite, deleted) without touching ``src``, or ''."""
-    s, d = os.path.realpath(src), os.path.realpath(dst)
+    if is_remote(src) or is_remote(dst):
+        if not (is_remote(src) and is_remote(dst)):
+            return ""
+        s, d = src.rstrip("/"), dst.rstrip("/")
+        sep = "/"
+    else:
+        s, d = (os.path.realpath(p.removeprefix("file://")) for p in (src, dst))
+        sep = os.sep
     if s == d:
         return f"DST {dst} is SRC {src}"
-    if s.startswith(d.rstrip(os.sep) + os.sep):
+    if s.startswith(d.rstrip(sep) + sep):
         return f"DST {dst} contains SRC {src}"
-    if d.startswith(s.rstrip(os.sep) + os.sep):
+    if d.startswith(s.rstrip(sep) + sep):
         return f"DST {dst} lies inside SRC {src}"
     return ""
+
+
+def _remote_info(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """What ``inspect`` shows of a dataset at a URL: its index.json and its first sample (one shard or
+    one range read); the shard sizes are the index's."""
+    ds = _open(url, args)
+    stored = [(m.zip_basename or m.raw_basename, (m.zip_bytes or 0) if m.zip_basename else m.raw_bytes)
+              for m in ds.metas]
+    info: dict[str, Any] = {
+        "path": url,
+        "format": ds.format_name,
+        "samples": len(ds),
+        "files": len(stored) + 1,
+        "bytes": sum(size for _, size in stored),
+        "version": ds.version,
+        "mode": ds.mode,
+    }
+    info.update(format_details(ds))
+    if len(ds):
+        first = _materialize(ds[0])
+        if isinstance(first, dict):
+            info["fields"] = {k: _describe(v) for k, v in first.items()}
+    info["shards"] = [{"file": name, "bytes": size} for name, size in stored]
+    return info
 
 
 def _dataset_info(path: str) -> dict[str, Any]:
@@ -114,7 +194,10 @@ def _dataset_info(path: str) -> dict[str, Any]:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from torchforge.features.inspect import is_store, store_info  # a feature store is a folder of its own
 
-    info = store_info(args.path) if is_store(args.path) else _dataset_info(args.path)
+    if is_remote(args.path):
+        info = _remote_info(args.path, args)
+    else:
+        info = store_info(args.path) if is_store(args.path) else _dataset_info(args.path)
     if args.json:
         print(json.dumps(info, indent=1, default=str))
         return 0
@@ -134,15 +217,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def verify_dataset(path: str) -> tuple[int, list[str]]:
+def verify_dataset(path: str, **remote: Any) -> tuple[int, list[str]]:
     """Open ``path`` and decode every sample; run the format's own checks (checksums) where it has them.
 
+    A URL is read whole shard by shard (``mode="shards"``): each shard's size and the hashes index.json
+    records are checked as it is fetched (a bad shard is one problem naming its URL, its samples are
+    not decoded), then every sample of the good shards is decoded.
+
+    Args:
+        path: a dataset folder or file, a feature store, or a dataset URL.
+        **remote: for a URL, ``cache_dir``, ``cache_limit``, ``storage_options`` (``mode`` must be
+            ``"shards"``).
+
     Returns:
-        (samples checked, problems), each problem naming the file and byte offset.
+        (samples checked, problems), each problem naming the file (or URL) and byte offset.
     """
     from torchforge.datasets.base import open_dataset
     from torchforge.features.inspect import is_store, verify_store
 
+    if is_remote(path):
+        return _verify_remote(path, remote)
     if is_store(path):  # a feature store: every version's manifest, digests and index
         return verify_store(path)
     problems: list[str] = []
@@ -161,8 +255,41 @@ def verify_dataset(path: str) -> tuple[int, list[str]]:
     return checked, problems
 
 
+def _verify_remote(url: str, remote: dict[str, Any]) -> tuple[int, list[str]]:
+    from torchforge.datasets.base import open_dataset
+
+    if remote.get("mode", "shards") != "shards":
+        raise ValueError("verify reads whole shards to check their hashes: mode must be 'shards'")
+    try:
+        ds = open_dataset(url, **{**remote, "mode": "shards"})
+    except TorchforgeError as e:
+        return 0, [str(e)]
+    problems: list[str] = []
+    checked = first = 0
+    for k, m in enumerate(ds.metas):
+        end = first + m.samples
+        try:
+            ds._shard(k)  # fetched whole: size and index.json's hashes checked
+        except TorchforgeError as e:
+            problems.append(str(e))
+            first = end
+            continue
+        for i in range(first, end):
+            try:
+                _materialize(ds[i])
+                checked += 1
+            except TorchforgeError as e:
+                problems.append(f"sample {i}: {e}")
+        first = end
+    return checked, problems
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    checked, problems = verify_dataset(args.path)
+    if is_remote(args.path) and args.mode not in (None, "shards"):
+        print("torchforge verify: a URL is verified whole shard by shard (its hashes): use --mode shards",
+              file=sys.stderr)
+        return 2
+    checked, problems = verify_dataset(args.path, **_remote_options(args))
     for p in problems:
         print(f"DAMAGED {p}")
     print(f"{args.path}: {checked} samples decoded, {len(problems)} problems")
@@ -172,9 +299,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from torchforge.datasets.base import open_dataset
-
-    ds = open_dataset(args.path)
+    ds = _open(args.path, args)
     n = min(len(ds), args.limit) if args.limit else len(ds)
     field = args.field
     rows = []
@@ -201,32 +326,51 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _url_options() -> argparse.ArgumentParser:
+    """The options every subcommand takes for a dataset at a URL."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("datasets at a URL (s3://, gs://, az://, http(s):// read-only, file://)")
+    g.add_argument("--cache-dir", help="the node-local cache folder (default: the per-user cache folder)")
+    g.add_argument("--cache-limit", help="the most bytes the cache may hold, e.g. 50GB (default: no limit)")
+    g.add_argument("--mode", choices=["shards", "ranges"],
+                   help="shards: fetch whole shards on first use (default); ranges: read samples as byte "
+                        "ranges")
+    g.add_argument("--storage-option", action="append", default=[], type=_key_value, metavar="KEY=VALUE",
+                   help="a store option, repeatable: endpoint=..., region=..., anonymous=true, "
+                        "allow_http=true, access_key_id=...; AWS_* variables apply too")
+    return p
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="torchforge", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
+    url = [_url_options()]
 
-    c = sub.add_parser("convert", help="convert JSONL/Parquet/JINX/MDS/safetensors into another format")
+    c = sub.add_parser("convert", parents=url, help="convert JSONL/Parquet/JINX/MDS/safetensors into another "
+                                                     "format (DST may be a URL)")
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--to", required=True, choices=["jinx", "mds", "safetensors"])
     c.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a writer option, e.g. -o compression=zst -o shard_size=67108864")
     c.add_argument("--columns", help="MDS columns as JSON, e.g. '{\"id\": \"int\"}' (default: inferred)")
-    c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    c.add_argument("--overwrite", action="store_true", help="replace DST if it exists (a URL: its objects)")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
 
-    i = sub.add_parser("inspect", help="format, shards, sample count, fields and their encodings")
+    i = sub.add_parser("inspect", parents=url,
+                       help="format, shards, sample count, fields and their encodings")
     i.add_argument("path")
     i.add_argument("--json", action="store_true")
     i.add_argument("--max-shards", type=int, default=10)
     i.set_defaults(func=cmd_inspect)
 
-    v = sub.add_parser("verify", help="check every footer, index, offset, sidecar range and checksum")
+    v = sub.add_parser("verify", parents=url,
+                       help="check every footer, index, offset, sidecar range and checksum")
     v.add_argument("path")
     v.set_defaults(func=cmd_verify)
 
-    b = sub.add_parser("bench", help="iterate, shuffle and sort samples/s on your own data")
+    b = sub.add_parser("bench", parents=url, help="iterate, shuffle and sort samples/s on your own data")
     b.add_argument("path")
     b.add_argument("--field", help="field to touch in each sample (default: none)")
     b.add_argument("--sort-key", help="field to sort by (default: no sort pass)")
@@ -239,6 +383,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
+    if isinstance(getattr(args, "path", None), str):
+        args.path = args.path.removeprefix("file://")
     try:
         return args.func(args)
     except TorchforgeError as e:

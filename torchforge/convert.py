@@ -105,13 +105,27 @@ def _file_kind(path: str) -> str | None:
     return None
 
 
-def open_source(path: str) -> tuple[str, Callable[[ConversionStats], Iterable[Any]], int | None]:
+def open_source(path: str,
+                **remote: Any) -> tuple[str, Callable[[ConversionStats], Iterable[Any]], int | None]:
     """Return the source kind, a function that starts a fresh pass over its plain samples, and the sample
     count when it is known up front (datasets).
 
     The pass function takes the :class:`ConversionStats` that records skipped records. A dataset is
     opened once; every pass iterates that one object.
+
+    Args:
+        path: a JSONL or Parquet file, a dataset folder, or a dataset URL.
+        **remote: for a URL, ``cache_dir``, ``cache_limit``, ``mode``, ``storage_options`` (ignored for a
+            local path).
     """
+    from torchforge.remote.url import is_remote
+
+    if is_remote(path):
+        from torchforge.datasets.base import open_dataset
+
+        ds = open_dataset(path, **remote)
+        return ds.format_name, lambda stats: (_materialize(s) for s in ds), len(ds)
+    path = path.removeprefix("file://")
     kind = _file_kind(path)
     if kind == "jsonl":
         return kind, lambda stats: iter_jsonl(path, stats), None
@@ -284,27 +298,58 @@ def _writer(to: str, dst: str, start_pass: Callable[[ConversionStats], Iterable[
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, progress: bool = False,
+            cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
+            mode: str | None = None, storage_options: Mapping[str, Any] | None = None,
             **options: Any) -> ConversionStats:
     """Convert ``src`` (JSONL, Parquet, or a JINX/MDS/safetensors dataset) into format ``to`` at ``dst``.
 
+    A URL destination (``s3://``, ``gs://``, ``az://``; ``http(s)://`` is read-only) is written into a
+    temporary folder under the cache folder first, then uploaded with the dataset's data files first and
+    the file that makes it whole last (MDS ``index.json``; JINX the last shard, whose footer ends the
+    chain; see :mod:`torchforge.remote.upload`), and the temporary folder removed: a reader never sees a
+    half-written dataset, and a failed upload leaves no index at the destination. ``file://`` URLs are
+    local paths.
+
     Args:
-        src: a JSONL file (plain, .gz, .zst), a Parquet file or folder, or a dataset folder.
-        dst: the output folder.
+        src: a JSONL file (plain, .gz, .zst), a Parquet file or folder, a dataset folder, or a dataset URL.
+        dst: the output folder, or a folder URL.
         to: ``"jinx"``, ``"mds"`` or ``"safetensors"``.
-        progress: show a tqdm bar with samples/s.
-        **options: the target writer's options (e.g. ``compression="zst"``, ``columns=...`` for MDS).
+        progress: show a tqdm bar with samples/s (and one with the bytes uploaded).
+        cache_dir: the node-local cache folder for a URL (source or destination); also where a URL
+            destination is staged. Default: the per-user cache folder.
+        cache_limit: the most bytes the cache may hold while a URL source is read.
+        mode: how a URL source is read (``"shards"`` or ``"ranges"``).
+        storage_options: endpoint, region, credentials, ... for URLs (see :mod:`torchforge.remote.url`).
+        **options: the target writer's options (e.g. ``compression="zst"``, ``columns=...`` for MDS). For a
+            URL destination ``overwrite=True`` replaces what the destination holds (the old objects are
+            deleted once the new dataset is converted, before it is uploaded); without it a destination
+            holding any object is refused before anything is converted.
 
     Returns:
         ConversionStats with the samples written and the malformed records skipped.
 
     Raises:
         FormatError: the data cannot be held by the target format; raised before anything is written.
+        RemoteExistsError: the destination URL holds objects and ``overwrite`` was not given.
+        RemoteReadOnlyError: the destination is an ``http(s)://`` URL.
+        RemoteError: the upload failed (names the object's URL); the destination holds no index.
     """
+    from torchforge.remote.url import is_remote
+
     src, dst = os.fspath(src), os.fspath(dst)
     if to not in TARGETS:
         raise TorchforgeError(f"{to=} is not one of {list(TARGETS)}")
+    remote = {k: v for k, v in (("cache_dir", cache_dir), ("cache_limit", cache_limit), ("mode", mode),
+                                ("storage_options", storage_options)) if v is not None}
+    if is_remote(dst):
+        return _convert_to_url(src, dst, to, progress, remote, options)
+    return _convert(src, dst.removeprefix("file://"), to, progress, remote, options)
+
+
+def _convert(src: str, dst: str, to: str, progress: bool, remote: dict[str, Any],
+             options: dict[str, Any]) -> ConversionStats:
     stats = ConversionStats(out=dst)
-    kind, start_pass, total = open_source(src)
+    kind, start_pass, total = open_source(src, **remote)
     bar = _progress(total, f"{kind} -> {to}") if progress else None
     with _writer(to, dst, start_pass, dict(options)) as w:
         for sample in start_pass(stats):
@@ -315,3 +360,54 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, progress
     if bar is not None:
         bar.close()
     return stats
+
+
+def _convert_to_url(src: str, dst: str, to: str, progress: bool, remote: dict[str, Any],
+                    options: dict[str, Any]) -> ConversionStats:
+    """Convert into a temporary folder under the cache folder, then publish it at ``dst``."""
+    import shutil
+    import tempfile
+
+    from torchforge.cache import user_cache_dir
+    from torchforge.remote import connect
+    from torchforge.remote.upload import check_destination, upload
+
+    options = dict(options)
+    overwrite = bool(options.pop("overwrite", False))
+    options.pop("exist_ok", None)
+    single = to == "jinx" and "shard_size" in options and options["shard_size"] is None
+    cache_dir = remote.get("cache_dir")
+    storage_options = remote.get("storage_options")
+    check_destination(dst, overwrite=overwrite, single=single, client=connect(cache_dir),
+                      storage_options=storage_options)  # refused before any work
+    base = (os.path.join(os.path.abspath(os.fspath(cache_dir)), "uploads") if cache_dir is not None
+            else user_cache_dir("uploads"))
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="convert-", dir=base)
+    try:
+        local = os.path.join(tmp, "dataset")
+        stats = _convert(src, local, to, progress, remote, options)
+        bar = None
+        if progress:
+            total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(local) for f in fs) \
+                if os.path.isdir(local) else os.path.getsize(local)
+            bar = _upload_progress(total, dst)
+        try:
+            upload(local, dst, overwrite=overwrite, cache_dir=cache_dir, storage_options=storage_options,
+                   on_file=None if bar is None else (lambda url, size: bar.update(size)))
+        finally:
+            if bar is not None:
+                bar.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    stats.out = dst
+    return stats
+
+
+def _upload_progress(total: int, dst: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=f"upload -> {dst}", unit="B", unit_scale=True, dynamic_ncols=True,
+                disable=None)

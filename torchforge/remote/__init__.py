@@ -1,5 +1,6 @@
 """Remote datasets: URLs (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``file://``), one fetcher
-process per node that does all object-store I/O (fork-safe callers), and the node-local object cache.
+process per node that does all object-store I/O (fork-safe callers), the node-local object cache, and
+uploads of finished datasets (:func:`upload`: data first, the index last).
 
 Needs the ``remote`` extra (``pip install torchforge[remote]``, which installs obstore) in the fetcher;
 importing this package does not import obstore.
@@ -14,9 +15,12 @@ from torchforge.remote.errors import (
     RemoteChangedError,
     RemoteCorruptError,
     RemoteError,
+    RemoteExistsError,
     RemoteNotFoundError,
+    RemoteReadOnlyError,
 )
 from torchforge.remote.messages import COALESCE_GAP, ObjectInfo, coalesce
+from torchforge.remote.upload import publish_phases, upload
 from torchforge.remote.url import is_remote, store_spec
 
 __all__ = [
@@ -29,9 +33,13 @@ __all__ = [
     "RemoteChangedError",
     "RemoteCorruptError",
     "RemoteError",
+    "RemoteExistsError",
     "RemoteNotFoundError",
+    "RemoteReadOnlyError",
     "coalesce",
     "connect",
     "is_remote",
+    "publish_phases",
     "store_spec",
+    "upload",
 ]

@@ -16,17 +16,21 @@ from typing import Any
 
 from torchforge.cache import user_cache_dir
 from torchforge.remote.cache import ObjectCache
+from torchforge.remote.errors import RemoteReadOnlyError
 from torchforge.remote.messages import (
     COALESCE_GAP,
+    DeleteRequest,
     FetchRequest,
     HeadRequest,
+    ListRequest,
     ObjectInfo,
+    PutRequest,
     RangesRequest,
     address,
     authkey,
     check_ranges,
 )
-from torchforge.remote.url import store_spec
+from torchforge.remote.url import StoreSpec, store_spec
 
 __all__ = ["FetcherClient", "connect"]
 
@@ -157,9 +161,73 @@ class FetcherClient:
         return self._call(FetchRequest(url, spec, key, size, tuple(sorted(hashes.items())), etag, limit, policy,
                                        tuple(next_use)))
 
+    def put(self, url: str, local_path: str | os.PathLike, *,
+            storage_options: Mapping[str, Any] | None = None) -> ObjectInfo:
+        """Upload the local file ``local_path`` to the object ``url`` (replacing it), with multipart uploads
+        for large files and retries like reads; the object appears whole or not at all.
+
+        Returns:
+            the object's size and its new ETag (None where the store gives none).
+
+        Raises:
+            RemoteReadOnlyError: ``url`` is ``http(s)://`` (read-only).
+            FileNotFoundError: no file at ``local_path``.
+            RemoteAccessError: the server refused the write (credentials, permissions).
+            RemoteNotFoundError: the bucket or container does not exist.
+            RemoteError: the upload failed after retries, or the file changed during it.
+        """
+        spec, key = _writable(url, storage_options)
+        path = os.path.abspath(os.fspath(local_path))
+        size = os.path.getsize(path)
+        return self._call(PutRequest(url, spec, key, path, size))
+
+    def list_objects(self, url: str, *,
+                     storage_options: Mapping[str, Any] | None = None) -> list[tuple[str, int]]:
+        """Every object below the folder ``url`` (``s3://bucket/data``: the keys ``data/...``), as sorted
+        ``(URL, size)`` pairs; an empty list where there is none.
+
+        Raises:
+            RemoteAccessError: listing was refused.
+            RemoteNotFoundError: the bucket or container does not exist.
+        """
+        spec, prefix = _folder(url, storage_options)
+        root = url.rstrip("/")
+        objects = self._call(ListRequest(url, spec, prefix))
+        cut = len(prefix) + 1 if prefix else 0
+        return [(f"{root}/{key[cut:]}", size) for key, size in objects]
+
+    def delete(self, urls: Sequence[str], *, storage_options: Mapping[str, Any] | None = None) -> None:
+        """Delete the objects ``urls`` (one request per store where it allows bulk deletes); an object
+        that does not exist is no error.
+
+        Raises:
+            RemoteReadOnlyError: a URL is ``http(s)://``.
+            RemoteAccessError, RemoteError: the store refused or failed (names the first URL).
+        """
+        groups: dict[StoreSpec, tuple[str, list[str]]] = {}
+        for url in urls:
+            spec, key = _writable(url, storage_options)
+            groups.setdefault(spec, (url, []))[1].append(key)
+        for spec, (first, keys) in groups.items():
+            self._call(DeleteRequest(first, spec, tuple(keys)))
+
     def pinned(self, url: str) -> contextlib.AbstractContextManager[None]:
         """While the block runs, no process evicts ``url`` from the cache (take it before :meth:`fetch`)."""
         return self.cache.pinned(url)
+
+
+def _writable(url: str, storage_options: Mapping[str, Any] | None) -> tuple[StoreSpec, str]:
+    spec, key = store_spec(url, storage_options)
+    if spec.kind in ("http", "https"):
+        raise RemoteReadOnlyError(f"{spec.kind}:// URLs are read-only: write to s3://, gs://, az:// or "
+                                  "file://", url=url)
+    return spec, key
+
+
+def _folder(url: str, storage_options: Mapping[str, Any] | None) -> tuple[StoreSpec, str]:
+    """The store of the folder ``url`` and its key prefix (no trailing ``/``; ``""`` for a bucket's root)."""
+    spec, key = store_spec(url.rstrip("/") + "/_", storage_options)
+    return spec, key[:-2]
 
 
 _SERVE = "import sys; from torchforge.remote.fetcher import serve; serve(sys.argv[1])"  # a fresh interpreter

@@ -1,4 +1,5 @@
-"""Typed errors of remote reads. Each names the URL: ``url`` is an attribute and appears in ``str()``."""
+"""Typed errors of remote reads and writes. Each names the URL: ``url`` is an attribute and appears in
+``str()``."""
 from __future__ import annotations
 
 from torchforge.errors import TorchforgeError
@@ -9,12 +10,15 @@ __all__ = [
     "RemoteChangedError",
     "RemoteCorruptError",
     "RemoteError",
+    "RemoteExistsError",
     "RemoteNotFoundError",
+    "RemoteReadOnlyError",
 ]
 
 
 class RemoteError(TorchforgeError):
-    """A remote object could not be read. ``url`` is the object's URL (also shown as the error's path).
+    """A remote object could not be read or written. ``url`` is the object's URL (also shown as the error's
+    path).
 
     Args:
         reason: what went wrong and, where there is one, the fix.
@@ -46,3 +50,11 @@ class RemoteCorruptError(RemoteError):
 
 class CacheFullError(RemoteError):
     """``cache_limit`` leaves no room for the object even after evicting every cached object not in use."""
+
+
+class RemoteReadOnlyError(RemoteError, PermissionError):
+    """A write to a URL whose scheme is read-only (``http://``, ``https://``); also a PermissionError."""
+
+
+class RemoteExistsError(RemoteError, FileExistsError):
+    """The destination already holds objects and overwriting was not asked for; also a FileExistsError."""

@@ -19,7 +19,9 @@ Requests and replies are the dataclasses of :mod:`torchforge.remote.messages`; t
 Failures: 5xx, 429, timeouts, connection resets and truncated bodies are retried :data:`RETRIES` times
 with exponential backoff and full jitter (:data:`BACKOFF_BASE` doubling up to :data:`BACKOFF_CAP`
 seconds); every retried read is verified again (range lengths; a whole object's size and hash). A missing
-object or denied access is not retried: it raises at once, naming the URL.
+object or denied access is not retried: it raises at once, naming the URL. Uploads (``put``, multipart
+above obstore's part size) retry the same way, each retry sending the whole file again; obstore's ``put``
+is atomic, so an object is either absent or complete.
 """
 from __future__ import annotations
 
@@ -41,11 +43,15 @@ from torchforge.remote.errors import (
     RemoteCorruptError,
     RemoteError,
     RemoteNotFoundError,
+    RemoteReadOnlyError,
 )
 from torchforge.remote.messages import (
+    DeleteRequest,
     FetchRequest,
     HeadRequest,
+    ListRequest,
     ObjectInfo,
+    PutRequest,
     RangesRequest,
     Reply,
     address,
@@ -157,6 +163,12 @@ class _Server:
             return self.ranges(req)
         if isinstance(req, FetchRequest):
             return self.fetch(req)
+        if isinstance(req, PutRequest):
+            return self.put(req)
+        if isinstance(req, ListRequest):
+            return self.list(req)
+        if isinstance(req, DeleteRequest):
+            return self.delete(req)
         raise TypeError(f"unknown request {type(req).__name__}")
 
     def head(self, req: HeadRequest) -> ObjectInfo:
@@ -277,6 +289,54 @@ class _Server:
                                              f"the index records {hashes[bad[0]]}", url=req.url)
 
         return cache.fill(req.url, version, req.size, download, next_use=next_use)
+
+
+    def put(self, req: PutRequest) -> ObjectInfo:
+        """Upload a local file (multipart above obstore's part size); each retry starts the upload over."""
+        import obstore
+
+        if req.store.kind in ("http", "https"):
+            raise RemoteReadOnlyError(f"{req.store.kind}:// URLs are read-only", url=req.url)
+        store = self.store(req.store)
+
+        def once() -> Any:
+            try:
+                size = os.path.getsize(req.path)
+            except OSError as e:
+                raise RemoteError(f"cannot read the local file {req.path}: {e}", url=req.url) from None
+            if size != req.size:
+                raise RemoteError(f"the local file {req.path} changed during the upload ({size} bytes, "
+                                  f"{req.size} when it started)", url=req.url)
+            with open(req.path, "rb") as f:
+                return obstore.put(store, req.key, f)
+
+        res = _retrying(req.url, once)
+        return ObjectInfo(req.size, res.get("e_tag"))
+
+    def list(self, req: ListRequest) -> list[tuple[str, int]]:
+        import obstore
+
+        store = self.store(req.store)
+        prefix = req.prefix.strip("/") or None
+        metas = _retrying(req.url, lambda: obstore.list(store, prefix=prefix).collect())
+        return sorted((str(m["path"]), int(m["size"])) for m in metas)
+
+    def delete(self, req: DeleteRequest) -> None:
+        import obstore
+
+        if req.store.kind in ("http", "https"):
+            raise RemoteReadOnlyError(f"{req.store.kind}:// URLs are read-only", url=req.url)
+        store = self.store(req.store)
+        if not req.keys:
+            return
+        try:
+            _retrying(req.url, lambda: obstore.delete(store, list(req.keys)))
+        except RemoteNotFoundError:  # a store without bulk delete stops at the first missing key
+            for key in req.keys:
+                try:
+                    _retrying(req.url, lambda key=key: obstore.delete(store, key))
+                except RemoteNotFoundError:
+                    pass
 
 
 def _open_store(spec: StoreSpec) -> Any:

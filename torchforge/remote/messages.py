@@ -12,8 +12,9 @@ from typing import Any
 
 from torchforge.remote.url import StoreSpec
 
-__all__ = ["COALESCE_GAP", "MAX_MERGED", "FetchRequest", "HeadRequest", "ObjectInfo", "RangesRequest", "Reply",
-           "address", "authkey", "check_ranges", "coalesce"]
+__all__ = ["COALESCE_GAP", "MAX_MERGED", "DeleteRequest", "FetchRequest", "HeadRequest", "ListRequest",
+           "ObjectInfo", "PutRequest", "RangesRequest", "Reply", "address", "authkey", "check_ranges",
+           "coalesce"]
 
 #: for the KB-sized samples of a batch) while still merging neighbours of one shard.
 COALESCE_GAP = 64 * 1024
@@ -57,6 +58,35 @@ class FetchRequest:
     cache_limit: int | None
     policy: str
     next_use: tuple[str, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class PutRequest:
+    """Upload the local file ``path`` (``size`` bytes when the request was made) to ``key``."""
+
+    url: str
+    store: StoreSpec
+    key: str
+    path: str
+    size: int
+
+
+@dataclass(frozen=True)
+class ListRequest:
+    """Every object below the folder ``prefix`` (a key without its trailing ``/``; ``""`` for the root)."""
+
+    url: str
+    store: StoreSpec
+    prefix: str
+
+
+@dataclass(frozen=True)
+class DeleteRequest:
+    """Delete the objects ``keys`` (missing ones are no error)."""
+
+    url: str
+    store: StoreSpec
+    keys: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,414 @@
+"""Writing datasets to object storage: the fetcher's put/list/delete, ``convert`` to a URL (data first,
+the index last, nothing half-written after a failure) and the CLI on URLs, against moto's S3 server on
+127.0.0.1 behind a proxy that records every request and fails chosen PUTs."""
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+from expected import mds_rows, same
+
+pytest.importorskip("obstore")
+moto_server = pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+
+import torchforge
+from torchforge.cli import main
+from torchforge.convert import convert
+from torchforge.remote import (
+    FetcherClient,
+    RemoteAccessError,
+    RemoteError,
+    RemoteExistsError,
+    RemoteReadOnlyError,
+    publish_phases,
+)
+
+BUCKET = "tf-write"
+HERE = os.path.dirname(__file__)
+INTEROP = os.path.join(HERE, "fixtures", "interop")
+
+
+class Proxy:
+    """Forwards every request to ``upstream`` and records it; ``fail(method, path, nth_put)`` returns a
+    status to answer a PUT with instead (None forwards it)."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.split("://", 1)[1]
+        self.requests: list[tuple[str, str, int]] = []  # (method, path, status), in arrival order
+        self.fail: Callable[[str, int], int | None] | None = None
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _body(self) -> bytes | None:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    out = b""
+                    while True:
+                        n = int(self.rfile.readline().split(b";")[0], 16)
+                        if n == 0:
+                            self.rfile.readline()
+                            return out
+                        out += self.rfile.read(n)
+                        self.rfile.readline()
+                n = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(n) if n else None
+
+            def _forward(self) -> None:
+                body = self._body()
+                with proxy.lock:
+                    puts = sum(m == "PUT" for m, _, _ in proxy.requests)
+                    status = proxy.fail(self.path, puts) if self.command == "PUT" and proxy.fail else None
+                if status is not None:
+                    with proxy.lock:
+                        proxy.requests.append((self.command, self.path, status))
+                    msg = b"<Error><Code>InternalError</Code></Error>"
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("connection", "transfer-encoding")}
+                if body is not None:
+                    headers["Content-Length"] = str(len(body))
+                conn = http.client.HTTPConnection(proxy.upstream, timeout=60)
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                with proxy.lock:
+                    proxy.requests.append((self.command, self.path, resp.status))
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("connection", "transfer-encoding", "server", "date",
+                                         "content-length"):
+                        self.send_header(k, v)
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def reset(self) -> None:
+        with self.lock:
+            self.requests, self.fail = [], None
+
+    def puts(self) -> list[str]:
+        """The object keys written (whole PUTs and multipart parts' objects), in the order they succeeded."""
+        out = []
+        for method, path, status in self.requests:
+            key = path.split("?", 1)[0].removeprefix(f"/{BUCKET}/")
+            if status == 200 and (method == "PUT" and "partNumber=" not in path
+                                  or method == "POST" and "uploadId=" in path):
+                out.append(key)
+        return out
+
+
+@pytest.fixture(scope="module")
+def s3():
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                          aws_secret_access_key="testing")
+    client.create_bucket(Bucket=BUCKET)
+    proxy = Proxy(endpoint)
+    yield endpoint, proxy, client
+    proxy.server.shutdown()
+    server.stop()
+
+
+@pytest.fixture
+def env(s3, monkeypatch, tmp_path):
+    """AWS variables pointing at moto; requests go through the proxy (``storage_options``); returns a
+    namespace of the fetcher client, the proxy, boto3's client, the options and the cache folder."""
+    endpoint, proxy, s3_client = s3
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true",
+                 "TORCHFORGE_FETCHER_IDLE_EXIT": "3",
+                 "TORCHFORGE_CACHE_DIR": str(tmp_path / "user-cache")}.items():
+        monkeypatch.setenv(k, v)
+    proxy.reset()
+
+    cache = str(tmp_path / "cache")
+
+    def keys(prefix: str) -> list[str]:
+        res = s3_client.list_objects_v2(Bucket=BUCKET, Prefix=prefix.rstrip("/") + "/")
+        return sorted(o["Key"] for o in res.get("Contents", []))
+
+    ns = SimpleNamespace(cache=cache, client=FetcherClient(cache), opts={"endpoint": proxy.url}, keys=keys,
+                         proxy=proxy, s3=s3_client)
+    yield ns
+    ns.client.close()
+
+
+def _plain(sample):
+    m = getattr(sample, "materialize", None)
+    return m() if callable(m) else sample
+
+
+def _write_mds(folder, n=60, seed=3, **opts):
+    from torchforge.formats.mds import MDSWriter
+
+    rows = list(mds_rows(n, seed))
+    cols = {"id": "int", "text": "str", "image": "bytes", "messages": "json"}
+    with MDSWriter(str(folder), cols, **opts) as w:
+        for r in rows:
+            w.write({k: r[k] for k in cols})
+    return str(folder)
+
+
+def _uploads_left(env) -> list[str]:
+    folder = os.path.join(os.environ["TORCHFORGE_CACHE_DIR"], "uploads")
+    return os.listdir(folder) if os.path.isdir(folder) else []
+
+
+# -- the fetcher's writes --------------------------------------------------------------------------------
+def test_put_list_delete_round_trip_with_multipart(env, tmp_path):
+    small, big = tmp_path / "small.bin", tmp_path / "big.bin"
+    small.write_bytes(b"hello")
+    data = os.urandom(11 * 1024 * 1024 + 7)  # above obstore's 5 MiB part size: a multipart upload
+    big.write_bytes(data)
+    base = f"s3://{BUCKET}/rt"
+    info = env.client.put(f"{base}/a/small.bin", small, storage_options=env.opts)
+    assert info.size == 5 and info.etag
+    assert env.client.put(f"{base}/big.bin", big, storage_options=env.opts).size == len(data)
+    assert any(m == "PUT" and "partNumber=" in p for m, p, _ in env.proxy.requests)
+    assert env.client.head(f"{base}/big.bin").size == len(data)
+    (back,) = env.client.get_ranges(f"{base}/big.bin", [(0, len(data))])
+    assert hashlib.sha1(back).digest() == hashlib.sha1(data).digest()
+    listed = env.client.list_objects(base + "/", storage_options=env.opts)
+    assert listed == [(f"{base}/a/small.bin", 5), (f"{base}/big.bin", len(data))]
+    assert env.client.list_objects(f"s3://{BUCKET}/r") == []  # a folder prefix, not a string prefix
+    env.client.delete([u for u, _ in listed] + [f"{base}/never-there"], storage_options=env.opts)
+    assert env.keys("rt") == []
+
+
+def test_put_retries_transient_failures_and_names_the_url_when_it_gives_up(env, tmp_path):
+    f = tmp_path / "x.bin"
+    f.write_bytes(b"x" * 1000)
+    url = f"s3://{BUCKET}/retry/x.bin"
+    env.proxy.fail = lambda path, n: 503 if n < 2 else None
+    assert env.client.put(url, f, storage_options=env.opts).size == 1000
+    assert [s for m, _, s in env.proxy.requests if m == "PUT"] == [503, 503, 200]
+    env.proxy.fail = lambda path, n: 500
+    with pytest.raises(RemoteError, match="retries") as e:
+        env.client.put(f"s3://{BUCKET}/retry/y.bin", f, storage_options=env.opts)
+    assert e.value.url == f"s3://{BUCKET}/retry/y.bin" and "retry/y.bin" in str(e.value)
+    env.proxy.reset()
+    env.proxy.fail = lambda path, n: 403
+    with pytest.raises(RemoteAccessError) as e:
+        env.client.put(f"s3://{BUCKET}/retry/z.bin", f, storage_options=env.opts)
+    assert e.value.url.endswith("retry/z.bin")
+    assert sum(m == "PUT" for m, _, _ in env.proxy.requests) == 1  # denied: not retried
+    assert env.keys("retry") == ["retry/x.bin"]
+
+
+def test_writing_to_http_is_refused_clearly(env, tmp_path):
+    f = tmp_path / "x.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(RemoteReadOnlyError, match="read-only") as e:
+        env.client.put("https://example.com/data/x.bin", f)
+    assert e.value.url == "https://example.com/data/x.bin" and isinstance(e.value, PermissionError)
+    src = _write_mds(tmp_path / "src")
+    with pytest.raises(RemoteReadOnlyError, match="read-only"):
+        convert(src, "http://127.0.0.1:9/data", to="mds", cache_dir=env.cache)
+    assert main(["convert", src, "http://127.0.0.1:9/data", "--to", "mds", "-q"]) == 1
+
+
+def test_publish_phases_put_the_file_a_reader_trusts_last(tmp_path):
+    mds = tmp_path / "mds"
+    _write_mds(mds, size_limit=16384)
+    phases = publish_phases(mds)
+    assert phases[-1] == ["index.json"] and len(phases) == 2 and len(phases[0]) > 2
+    jinx = tmp_path / "jinx"
+    jinx.mkdir()
+    for name in ("shard-00000.jinx", "shard-00000.binx", "shard-00001.jinx", "shard-00002.jinx",
+                 "shard-00002.binx", ".hidden"):
+        (jinx / name).write_bytes(b"")
+    assert publish_phases(jinx) == [["shard-00000.binx", "shard-00002.binx"],
+                                    ["shard-00000.jinx", "shard-00001.jinx"], ["shard-00002.jinx"]]
+    other = tmp_path / "st"
+    other.mkdir()
+    for name in ("b.safetensors", "a.safetensors"):
+        (other / name).write_bytes(b"")
+    assert publish_phases(other) == [["a.safetensors"], ["b.safetensors"]]
+
+
+# -- convert to a URL ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("source", ["mds-streaming-none", "jinx-b64-zst-binx-mds-safe"])
+def test_convert_to_s3_uploads_the_index_last_and_reads_back_every_sample(env, tmp_path, source):
+    if source == "mds-streaming-none":
+        src = os.path.join(INTEROP, source)
+    else:  # a JINX source with a sidecar, of columns MDS holds
+        from torchforge.formats.jinx import JinxWriter
+
+        src = str(tmp_path / "jinx-src")
+        with JinxWriter(src, shard_size=2048, encoding="b64", binary_threshold=64) as w:
+            for r in mds_rows(40, 5):
+                w.write({"id": r["id"], "text": r["text"], "image": r["image"]})
+    url = f"s3://{BUCKET}/conv/{source}"
+    stats = convert(src, url, to="mds", cache_dir=env.cache, storage_options=env.opts, hashes=["sha1"],
+                    size_limit=8192)
+    assert stats.out == url
+    written = env.proxy.puts()
+    assert written[-1] == f"conv/{source}/index.json" and written.count(f"conv/{source}/index.json") == 1
+    assert len(written) >= 3 and env.keys(f"conv/{source}") == sorted(written)
+    assert not _uploads_left(env)  # the temporary folder is gone
+    want = [_plain(s) for s in torchforge.open_dataset(src)]
+    for mode in ("shards", "ranges"):
+        got = torchforge.open_dataset(url, cache_dir=tmp_path / f"read-{mode}", mode=mode,
+                                      storage_options=env.opts)
+        assert len(got) == len(want) == stats.written
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert same(a, _plain(b)) == "", (mode, i)
+
+
+def test_convert_jinx_to_s3_uploads_sidecars_then_shards_then_the_last_shard(env, tmp_path):
+    src = os.path.join(INTEROP, "mds-streaming-none")
+    url = f"s3://{BUCKET}/jx/out"
+    convert(src, url, to="jinx", cache_dir=env.cache, storage_options=env.opts, shard_size=4096,
+            binary_threshold=64)
+    written = [k.removeprefix("jx/out/") for k in env.proxy.puts()]
+    jinx = sorted(k for k in written if k.endswith(".jinx"))
+    sidecars = [k for k in written if k.endswith(".binx")]
+    assert len(jinx) > 2 and sidecars and len(written) == len(jinx) + len(sidecars)
+    assert written[-1] == jinx[-1]  # the shard whose footer ends the chain
+    first_shard = min(written.index(k) for k in jinx)
+    assert all(written.index(k) < first_shard for k in sidecars)
+    assert env.keys("jx/out") == sorted(f"jx/out/{k}" for k in written)
+    local = tmp_path / "back"  # the uploaded objects are the dataset a local reader reads
+    local.mkdir()
+    for k in written:
+        env.s3.download_file(BUCKET, f"jx/out/{k}", str(local / k))
+    want = [_plain(s) for s in torchforge.open_dataset(src)]
+    got = [_plain(s) for s in torchforge.open_dataset(str(local))]
+    assert len(got) == len(want) and all(same(a, b) == "" for a, b in zip(want, got))
+
+
+def test_a_destination_holding_objects_is_refused_unless_overwrite(env, tmp_path):
+    url = f"s3://{BUCKET}/ow/data"
+    convert(_write_mds(tmp_path / "a", n=60), url, to="mds", cache_dir=env.cache, storage_options=env.opts,
+            size_limit=16384)
+    before = env.keys("ow/data")
+    assert len(before) > 3
+    src_b = _write_mds(tmp_path / "b", n=5, seed=9)
+    with pytest.raises(RemoteExistsError, match="overwrite") as e:
+        convert(src_b, url, to="mds", cache_dir=env.cache, storage_options=env.opts)
+    assert e.value.url == url and isinstance(e.value, FileExistsError)
+    assert main(["convert", src_b, url, "--to", "mds", "-q", "--cache-dir", env.cache]) == 2
+    assert env.keys("ow/data") == before
+    convert(src_b, url, to="mds", cache_dir=env.cache, storage_options=env.opts, overwrite=True)
+    after = env.keys("ow/data")
+    assert after == ["ow/data/index.json", "ow/data/shard.00000.mds"]  # no stale shard of the old one
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "read", storage_options=env.opts)
+    assert [s["id"] for s in ds] == [r["id"] for r in mds_rows(5, 9)]
+
+
+@pytest.mark.parametrize("when", ["index", "after-3"])
+def test_a_failed_upload_leaves_no_index(env, tmp_path, when):
+    src = _write_mds(tmp_path / "src", n=60)
+    url = f"s3://{BUCKET}/fail/{when}"
+    if when == "index":
+        env.proxy.fail = lambda path, n: 500 if "index.json" in path else None
+    else:
+        env.proxy.fail = lambda path, n: 500 if n >= 3 else None
+    with pytest.raises(RemoteError) as e:
+        convert(src, url, to="mds", cache_dir=env.cache, storage_options=env.opts, size_limit=16384)
+    assert e.value.url.startswith(url + "/")
+    if when == "index":
+        assert e.value.url == f"{url}/index.json"
+    env.proxy.fail = None
+    assert f"fail/{when}/index.json" not in env.keys(f"fail/{when}")
+    assert env.keys(f"fail/{when}") == []  # the shards it wrote are removed again
+    assert not _uploads_left(env)
+    with pytest.raises(RemoteError):
+        torchforge.open_dataset(url, cache_dir=tmp_path / "read", storage_options=env.opts)
+
+
+# -- the CLI on URLs -------------------------------------------------------------------------------------
+def test_cli_convert_inspect_verify_bench_on_a_url(env, tmp_path, capsys):
+    src = os.path.join(INTEROP, "mds-streaming-none")
+    url = f"s3://{BUCKET}/cli/ds"
+    so = ["--storage-option", f"endpoint={env.proxy.url}"]
+    assert main(["convert", src, url, "--to", "mds", "-q", "-o", "size_limit=8192", "--cache-dir", env.cache,
+                 *so]) == 0
+    assert f"wrote 200 samples to {url}" in capsys.readouterr().out
+    assert main(["inspect", url, "--json", "--cache-dir", str(tmp_path / "c1"), *so]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["path"] == url and info["format"] == "mds" and info["samples"] == 200
+    assert info["shards"] and sum(s["bytes"] for s in info["shards"]) == info["bytes"]
+    assert set(info["fields"]) >= {"id"}
+    assert main(["inspect", url, "--mode", "ranges", "--cache-dir", str(tmp_path / "c2"), *so]) == 0
+    assert "samples: 200" in capsys.readouterr().out
+    assert main(["verify", url, "--cache-dir", str(tmp_path / "c3"), "--cache-limit", "10MB", *so]) == 0
+    assert "200 samples decoded, 0 problems" in capsys.readouterr().out
+    assert main(["verify", url, "--mode", "ranges", *so]) == 2
+    capsys.readouterr()
+    assert main(["bench", url, "--mode", "ranges", "--limit", "50", "--cache-dir", str(tmp_path / "c4"),
+                 *so]) == 0
+    out = capsys.readouterr().out
+    assert "iterate" in out and "shuffle" in out
+    back = str(tmp_path / "back")  # and a URL as the source
+    assert main(["convert", url, back, "--to", "jinx", "-q", "--cache-dir", str(tmp_path / "c5"), *so]) == 0
+    want = [_plain(s) for s in torchforge.open_dataset(src)]
+    got = [_plain(s) for s in torchforge.open_dataset(back)]
+    assert len(got) == 200 and all(same(a, b) == "" for a, b in zip(want, got))
+    with pytest.raises(SystemExit):
+        main(["inspect", url, "--storage-option", "no-equals-sign"])
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_verify_names_a_damaged_remote_shard(env, tmp_path, capsys, damage):
+    src = _write_mds(tmp_path / "src", n=60)
+    url = f"s3://{BUCKET}/bad/{damage}"
+    convert(src, url, to="mds", cache_dir=env.cache, storage_options=env.opts, size_limit=16384,
+            hashes=["sha1"])
+    shard = sorted(k for k in env.keys(f"bad/{damage}") if k.endswith(".mds"))[1]
+    data = bytearray(env.s3.get_object(Bucket=BUCKET, Key=shard)["Body"].read())
+    if damage == "flipped":
+        data[-3] ^= 0xFF
+    else:
+        data = data[:-10]
+    env.s3.put_object(Bucket=BUCKET, Key=shard, Body=bytes(data))
+    code = main(["verify", url, "--cache-dir", str(tmp_path / "verify"), "--storage-option",
+                 f"endpoint={env.proxy.url}"])
+    out = capsys.readouterr().out
+    assert code == 1
+    damaged = [line for line in out.splitlines() if line.startswith("DAMAGED")]
+    assert len(damaged) == 1 and f"s3://{BUCKET}/{shard}" in damaged[0]
+    assert ("sha1" if damage == "flipped" else "bytes") in damaged[0]
+    n_bad = torchforge.open_dataset(url, cache_dir=env.cache, storage_options=env.opts).metas[1].samples
+    assert f"{60 - n_bad} samples decoded, 1 problems" in out
+
+
+def test_file_urls_are_local_paths(env, tmp_path, capsys):
+    src = _write_mds(tmp_path / "src", n=10)
+    dst = tmp_path / "out"
+    assert main(["convert", src, f"file://{dst}", "--to", "jinx", "-q"]) == 0
+    assert main(["verify", f"file://{dst}"]) == 0
+    assert "10 samples decoded, 0 problems" in capsys.readouterr().out
+    shutil.rmtree(dst)

@@ -1,0 +1,180 @@
+"""Publishing a finished dataset at a URL: every data file first, the file a reader trusts last.
+
+A reader never sees a half-written dataset: the objects are uploaded in phases (each phase's files at
+once, a phase starting only when the one before it is complete), and the last phase holds the file that
+makes the dataset whole:
+
+- MDS: the shards, then ``index.json`` (a reader opens the index first and reads only the shards it lists).
+- JINX: the ``.binx`` sidecars (and any other file), then the ``shard-*.jinx`` files, then the last shard,
+  whose footer ends the chain of shards (``shard_next`` is absent); a shard is never visible before its
+  sidecar.
+- anything else (safetensors shards): every file but the last (in name order), then the last.
+
+Each object is written atomically by the store (obstore's ``put``); a failure stops the upload, removes
+the objects this upload wrote (best effort) and raises, so the destination holds no index. All object
+I/O goes through the node's fetcher (:mod:`torchforge.remote.client`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from torchforge.remote.client import FetcherClient, _writable, connect
+from torchforge.remote.errors import RemoteExistsError, RemoteNotFoundError
+
+__all__ = ["UPLOADS", "check_destination", "publish_phases", "upload"]
+
+log = logging.getLogger(__name__)
+
+UPLOADS = 4  # files uploaded at once (each one multipart above obstore's part size)
+_INDEX = "index.json"
+
+
+def publish_phases(folder: str | os.PathLike) -> list[list[str]]:
+    """The files of the dataset folder ``folder`` (paths relative to it, ``/``-separated; hidden files
+    left out) in the phases they are uploaded in; the last phase is the file that makes the dataset whole.
+
+    >>> publish_phases("out/mds")  # doctest: +SKIP
+    [['shard.00000.mds', 'shard.00001.mds'], ['index.json']]
+    """
+    root = os.fspath(folder)
+    files: list[str] = []
+    for here, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        rel = os.path.relpath(here, root)
+        for name in names:
+            if not name.startswith("."):
+                files.append(name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}")
+    files.sort()
+    if not files:
+        return []
+    if _INDEX in files:
+        return [p for p in ([f for f in files if f != _INDEX], [_INDEX]) if p]
+    shards = [f for f in files if f.endswith(".jinx")]
+    if shards:
+        rest = [f for f in files if not f.endswith(".jinx")]
+        return [p for p in (rest, shards[:-1], shards[-1:]) if p]
+    return [p for p in (files[:-1], files[-1:]) if p]
+
+
+def check_destination(url: str, *, overwrite: bool = False, single: bool = False,
+                      client: FetcherClient | None = None,
+                      storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """The objects already at the destination ``url`` (a folder, or one object with ``single``).
+
+    Raises:
+        RemoteReadOnlyError: ``url`` is ``http(s)://``.
+        RemoteExistsError: objects are there and ``overwrite`` is False.
+    """
+    _writable(url.rstrip("/") + "/_", storage_options)
+    client = client or connect()
+    if single:
+        try:
+            client.head(url, storage_options=storage_options)
+            found = [url]
+        except RemoteNotFoundError:
+            found = []
+    else:
+        found = [u for u, _ in client.list_objects(url, storage_options=storage_options)]
+    if found and not overwrite:
+        what = "an object" if single else f"{len(found)} object(s) ({found[0]}, ...)"
+        raise RemoteExistsError(f"the destination already holds {what}; pass overwrite=True (--overwrite) "
+                                "to replace it", url=url)
+    return found
+
+
+def upload(local: str | os.PathLike, url: str, *, overwrite: bool = False,
+           cache_dir: str | os.PathLike | None = None, storage_options: Mapping[str, Any] | None = None,
+           on_file: Callable[[str, int], None] | None = None) -> list[str]:
+    """Upload the dataset folder (or single file) ``local`` to ``url`` in :func:`publish_phases` order.
+
+    With ``overwrite``, what the destination holds is deleted first (the old index before the rest), so
+    no reader ever mixes old and new objects.
+
+    Args:
+        local: a finished dataset folder, or one file (uploaded to ``url`` itself).
+        url: the destination folder URL (``s3://bucket/prefix``), or the object URL for a file.
+        overwrite: replace the objects already at ``url``; without it such a destination is refused.
+        cache_dir: the cache folder naming the node's fetcher (default: the per-user cache folder).
+        storage_options: see :mod:`torchforge.remote.url`.
+        on_file: called with each uploaded object's URL and size, as it completes.
+
+    Returns:
+        the URLs written, in the order they completed.
+
+    Raises:
+        RemoteExistsError: the destination holds objects and ``overwrite`` is False.
+        RemoteReadOnlyError: ``url`` is ``http(s)://``.
+        RemoteError: an upload failed after retries (names the object's URL); the objects this upload
+            wrote are removed again, so the destination holds no index.
+    """
+    local = os.fspath(local)
+    url = url.rstrip("/")
+    single = os.path.isfile(local)
+    client = connect(cache_dir)
+    old = check_destination(url, overwrite=overwrite, single=single, client=client,
+                            storage_options=storage_options)
+    if old:
+        first = [u for u in old if u.endswith((f"/{_INDEX}", ".jinx"))]
+        for group in (first, [u for u in old if u not in first]):
+            if group:
+                client.delete(group, storage_options=storage_options)
+    if single:
+        client.put(url, local, storage_options=storage_options)
+        if on_file is not None:
+            on_file(url, os.path.getsize(local))
+        return [url]
+    done: list[str] = []
+    clients = [FetcherClient(client.cache_dir) for _ in range(UPLOADS)]
+    try:
+        for phase in publish_phases(local):
+            _upload_phase(clients, local, url, phase, done, storage_options, on_file)
+    except BaseException:
+        try:
+            client.delete(done, storage_options=storage_options)
+        except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
+            log.warning("could not remove the %d objects of the failed upload to %s: %s", len(done), url, e)
+        raise
+    finally:
+        for c in clients:
+            c.close()
+    return done
+
+
+def _upload_phase(clients: list[FetcherClient], local: str, url: str, phase: list[str], done: list[str],
+                  storage_options: Mapping[str, Any] | None,
+                  on_file: Callable[[str, int], None] | None) -> None:
+    """Upload ``phase``'s files at once (one connection each, ``len(clients)`` at a time); the first
+    failure stops the files not yet started and is raised once the others have ended."""
+    todo = iter(phase)
+    lock = threading.Lock()
+    failed = threading.Event()
+
+    def work(client: FetcherClient) -> None:
+        while not failed.is_set():
+            with lock:
+                rel = next(todo, None)
+            if rel is None:
+                return
+            dst = f"{url}/{rel}"
+            path = os.path.join(local, *rel.split("/"))
+            try:
+                info = client.put(dst, path, storage_options=storage_options)
+            except BaseException:
+                failed.set()
+                raise
+            with lock:
+                done.append(dst)
+            if on_file is not None:
+                on_file(dst, info.size)
+
+    n = min(len(clients), len(phase))
+    with ThreadPoolExecutor(n, thread_name_prefix="torchforge-upload") as pool:
+        futures = [pool.submit(work, c) for c in clients[:n]]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise errors[0]
