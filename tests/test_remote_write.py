@@ -307,6 +307,13 @@ def test_convert_jinx_to_s3_uploads_sidecars_then_shards_then_the_last_shard(env
     want = [_plain(s) for s in torchforge.open_dataset(src)]
     got = [_plain(s) for s in torchforge.open_dataset(str(local))]
     assert len(got) == len(want) and all(same(a, b) == "" for a, b in zip(want, got))
+    one = f"s3://{BUCKET}/jx/one.jinx"  # shard_size=None: one file, uploaded to the URL itself
+    convert(src, one, to="jinx", cache_dir=env.cache, storage_options=env.opts, shard_size=None)
+    with pytest.raises(RemoteExistsError):
+        convert(src, one, to="jinx", cache_dir=env.cache, storage_options=env.opts, shard_size=None)
+    env.s3.download_file(BUCKET, "jx/one.jinx", str(tmp_path / "one.jinx"))
+    got = [_plain(s) for s in torchforge.open_dataset(str(tmp_path / "one.jinx"))]
+    assert len(got) == len(want) and all(same(a, b) == "" for a, b in zip(want, got))
 
 
 def test_a_destination_holding_objects_is_refused_unless_overwrite(env, tmp_path):
