@@ -16,34 +16,49 @@ bytes fetched stay within 1.1x of the samples' bytes while neighbours share a GE
 global shuffle over a dataset of any size with no cache at all. It needs shards that are not compressed
 as a whole (``sample::`` compression is fine).
 
-Not yet here (issue 13): JINX and safetensors datasets at a URL, prefetching in the sampler's order, and
-eviction protection for shards that are mapped (an evicted shard stays readable to the processes that
-have it mapped: Linux keeps the unlinked file until they unmap it).
+Prefetching (``mode="shards"``): :meth:`RemoteMDSDataset.prefetch` takes the indices a process will
+read, in order, and fetches their shards in the order of first use on a background thread of that
+process, each request carrying the shards needed next (what Belady's eviction rule needs).
+``torchforge.DataLoader`` calls it at the start of every pass whose sampler can tell its future order
+(a :class:`~torchforge.sampler.GlobalSampler`, whose ``indices()`` is pure); with torch's loader, call it
+yourself. With a ``cache_limit`` it runs at most half the limit ahead.
+
+Not yet here (issue 13): JINX and safetensors datasets at a URL, and eviction protection for shards that
+are mapped (an evicted shard stays readable to the processes that have it mapped: Linux keeps the
+unlinked file until they unmap it).
 """
 from __future__ import annotations
 
 import bisect
 import hashlib
 import itertools
+import logging
 import operator
 import os
 import shutil
 import struct
 import tempfile
+import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import numpy as np
 
 from torchforge.datasets.mds import MDSDataset
 from torchforge.errors import CorruptShardError
 from torchforge.formats.mds import INDEX_BASENAME
 from torchforge.formats.mds_reader import SampleDecoder, ShardMeta
-from torchforge.remote import connect, is_remote
+from torchforge.remote import FetcherClient, connect, is_remote
 from torchforge.sizes import parse_size
 
 __all__ = ["RemoteMDSDataset", "is_remote"]
 
+log = logging.getLogger(__name__)
+
 MODES = ("shards", "ranges")
+POLICIES = ("belady", "lru")
+NEXT_USE = 8  # shards named as "needed next" in each fetch request (Belady's rule evicts the others first)
 RANGE_WASTE = 0.1  # bytes between merged ranges, as a share of the bytes a batch reads
 READERS = 4  # shards whose ranges a process reads at once (one fetcher connection each)
 
@@ -56,7 +71,9 @@ class RemoteMDSDataset(MDSDataset):
         split: a sub-folder.
         cache_dir: the node-local cache (default: the per-user cache folder, never the data folder).
         cache_limit: the most bytes the cache may hold (bytes or ``"50GB"``); None for no limit.
-        mode: ``"shards"`` (whole shards fetched on first use).
+        mode: ``"shards"`` (whole shards fetched on first use) or ``"ranges"`` (byte ranges per batch).
+        cache_policy: what the cache evicts when ``cache_limit`` needs room: ``"belady"`` (the shard needed
+            furthest in the future, as far as the fetches in flight tell) or ``"lru"``.
         storage_options: endpoint, region, credentials, anonymous, allow_http; the standard environment
             variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ... ``AWS_ALLOW_HTTP``) apply too.
         **kwargs: :class:`~torchforge.datasets.mds.MDSDataset`'s options (columns, lazy, zero_copy, ...).
@@ -67,10 +84,15 @@ class RemoteMDSDataset(MDSDataset):
     """
 
     def __init__(self, url: str, split: str | None = None, *, cache_dir: str | os.PathLike | None = None,
-                 cache_limit: int | str | None = None, mode: str = "shards",
+                 cache_limit: int | str | None = None, mode: str = "shards", cache_policy: str = "belady",
                  storage_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {list(MODES)}")
+        if cache_policy not in POLICIES:
+            raise ValueError(f"cache_policy={cache_policy!r} is not one of {list(POLICIES)}")
+        self.cache_policy = cache_policy
+        self._plan: list[int] = []  # shards in the order of first use, as the last prefetch() was told
+        self._prefetcher: tuple[int, threading.Thread, threading.Event] | None = None  # (pid, thread, stop)
         if mode == "ranges" and kwargs.get("lazy"):
             raise ValueError("lazy=True needs mode='shards' (a lazy sample maps its shard)")
         self.url = url.rstrip("/") + (f"/{split.strip('/')}" if split else "")
@@ -105,8 +127,10 @@ class RemoteMDSDataset(MDSDataset):
         threads that use them to read several shards' ranges at once."""
         if self._client_of is None or self._client_of[0] != os.getpid():
             n = READERS if self.mode == "ranges" else 1
-            self._client_of = (os.getpid(), [connect(self._remote_cache) for _ in range(n)],
-                               ThreadPoolExecutor(n, thread_name_prefix="torchforge-ranges"))
+            # the first is the process's shared client (the calling thread's); the reader threads each get
+            # their own connection: a client serves one request at a time
+            clients = [connect(self._remote_cache)] + [FetcherClient(self._remote_cache) for _ in range(n - 1)]
+            self._client_of = (os.getpid(), clients, ThreadPoolExecutor(n, thread_name_prefix="torchforge-ranges"))
         return self._client_of[1]
 
     # --- mode="ranges" ------------------------------------------------------------------------------
@@ -219,17 +243,90 @@ class RemoteMDSDataset(MDSDataset):
         if self.mode == "ranges":
             raise ValueError("mode='ranges' maps no shard: this needs mode='shards'")
         if not self._files[k]:
-            m = self.metas[k]
-            zipped = m.zip_basename is not None
-            name = m.zip_basename if zipped else m.raw_basename
-            size = (m.zip_bytes or 0) if zipped else m.raw_bytes
-            entry = m.raw.get("zip_data" if zipped else "raw_data") or {}
-            hashes = entry.get("hashes") if isinstance(entry, dict) else None
-            self._files[k] = self._client().fetch(
-                f"{self.url}/{name}", size, hashes=hashes if isinstance(hashes, dict) else None,
-                cache_limit=self.cache_limit, storage_options=self.storage_options,
-                next_use=[f"{self.url}/{n.zip_basename or n.raw_basename}" for n in self.metas[k + 1:k + 9]])
+            self._files[k] = self._fetch(self._client(), k, self._next_use(k))
         return super()._shard(k)
+
+    def _fetch(self, client: Any, k: int, next_use: list[str]) -> str:
+        """Shard ``k`` in the node's cache (fetched if absent): its path."""
+        m = self.metas[k]
+        zipped = m.zip_basename is not None
+        name = m.zip_basename if zipped else m.raw_basename
+        size = (m.zip_bytes or 0) if zipped else m.raw_bytes
+        entry = m.raw.get("zip_data" if zipped else "raw_data") or {}
+        hashes = entry.get("hashes") if isinstance(entry, dict) else None
+        return client.fetch(f"{self.url}/{name}", size, hashes=hashes if isinstance(hashes, dict) else None,
+                            cache_limit=self.cache_limit, policy=self.cache_policy,
+                            storage_options=self.storage_options, next_use=next_use)
+
+    def _url_of(self, k: int) -> str:
+        m = self.metas[k]
+        return f"{self.url}/{m.zip_basename or m.raw_basename}"
+
+    def _next_use(self, k: int) -> list[str]:
+        """The shards needed after shard ``k``: from the planned order when there is one, else the next ones
+        in index order."""
+        plan = self._plan
+        if k in plan:
+            after = plan[plan.index(k) + 1:plan.index(k) + 1 + NEXT_USE]
+        else:
+            after = list(range(k + 1, min(k + 1 + NEXT_USE, len(self.metas))))
+        return [self._url_of(j) for j in after]
+
+    # --- prefetching --------------------------------------------------------------------------------
+    def shard_order(self, indices: Any) -> list[int]:
+        """The shards that ``indices`` read, in the order of their first use."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size == 0:
+            return []
+        ks = np.searchsorted(np.asarray(self._bounds, dtype=np.int64), idx, side="right") - 1
+        _, first = np.unique(ks, return_index=True)
+        return ks[np.sort(first)].tolist()
+
+    def prefetch(self, indices: Any, *, wait: bool = False) -> None:
+        """Fetch the shards of ``indices`` (the samples this process's loader will read, in order) into the
+        node's cache in the order of first use, on a background thread; returns at once, or when every
+        fetch is done with ``wait=True`` (to warm a cache before training). A new call replaces the
+        previous plan. Errors are left to the read that needs the shard (it raises them, typed and naming
+        the URL). Nothing to do in ``mode="ranges"``."""
+        self.stop_prefetch()
+        if self.mode != "shards":
+            return
+        order = self.shard_order(indices)
+        self._plan = order
+        if not order:
+            return
+        stop = threading.Event()
+        thread = threading.Thread(target=self._prefetch_run, args=(order, stop), daemon=True,
+                                  name="torchforge-prefetch")
+        self._prefetcher = (os.getpid(), thread, stop)
+        thread.start()
+        if wait:
+            thread.join()
+
+    def stop_prefetch(self) -> None:
+        """Stop this process's prefetching after the fetch in flight (waits for it)."""
+        running, self._prefetcher = self._prefetcher, None
+        if running is not None and running[0] == os.getpid():
+            running[2].set()
+            running[1].join()
+
+    def _prefetch_run(self, order: list[int], stop: threading.Event) -> None:
+        budget = self.cache_limit / 2 if self.cache_limit is not None else float("inf")
+        client = FetcherClient(self._remote_cache)  # its own connection, closed when done
+        try:
+            ahead = 0
+            for pos, k in enumerate(order):
+                m = self.metas[k]
+                ahead += (m.zip_bytes or 0) if m.zip_basename is not None else m.raw_bytes
+                if stop.is_set() or ahead > budget:
+                    return
+                try:
+                    self._fetch(client, k, [self._url_of(j) for j in order[pos + 1:pos + 1 + NEXT_USE]])
+                except Exception as e:  # noqa: BLE001 - the reader that needs this shard raises it
+                    log.debug("prefetch of %s stopped: %s", self._url_of(k), e)
+                    return
+        finally:
+            client.close()
 
     def shard_files(self) -> list[str]:
         return [os.path.join(self.folder, INDEX_BASENAME)] + [f for f in self._files if f]
@@ -237,6 +334,7 @@ class RemoteMDSDataset(MDSDataset):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_client_of"] = None  # a connection does not travel: the other process opens its own
+        state["_prefetcher"] = None
         return state
 
 

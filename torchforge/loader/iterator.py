@@ -115,6 +115,7 @@ class _Iter(_BaseDataLoaderIter):
                 self._base_seed = int(resume["base_seed"])
             self._primed = _NOTHING
             self._primed = self._pull_index()  # the sampler's first draws happen here, in every run
+            self._plan_prefetch(loader, target)
             skip = int(resume["batches"]) if resume is not None and resume.get("skip_batches") else 0
         finally:
             if user_rng is not None:
@@ -133,6 +134,19 @@ class _Iter(_BaseDataLoaderIter):
         self._staged: Any = None
         self._yielding: Any = None
         self._deferred: BaseException | None = None
+
+    def _plan_prefetch(self, loader: Any, target: Any) -> None:
+        """Tell a dataset that can prefetch (``dataset.prefetch(indices)``: remote datasets) the order this
+        pass reads, when the sampler can tell it without drawing (``indices()``, a GlobalSampler's)."""
+        prefetch, indices = getattr(loader.dataset, "prefetch", None), getattr(target, "indices", None)
+        if self._iterable or not callable(prefetch) or not callable(indices):
+            return
+        try:
+            order = indices(0, len(target))
+        except Exception as e:  # noqa: BLE001 - a sampler without a pure indices(): no prefetching
+            log.debug("no prefetching: %s.indices() failed (%s)", type(target).__name__, e)
+            return
+        prefetch(order)
 
     def _restore_position(self, resume: dict) -> None:
         self._pos.batches = self._seq = int(resume["batches"])

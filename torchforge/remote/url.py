@@ -133,9 +133,11 @@ def store_spec(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
         config["skip_signature"] = True
     if "endpoint" in opts and str(opts["endpoint"]).startswith("http://"):
         client["allow_http"] = True  # an explicit http:// endpoint says so (a local test server)
+    extra = opts.pop("client_options", None)  # obstore's client options (timeouts, proxies), any scheme
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ValueError(f"storage_options['client_options']={extra!r} must be a dict such as {{'timeout': '30s'}}")
+    client.update(extra or {})
     config.update(opts)
     if scheme in ("http", "https", "file"):
-        client.update(config.pop("client_options", {}) if isinstance(config.get("client_options"), Mapping)
-                      else {})
         config = {}
     return StoreSpec(scheme, root, tuple(sorted(config.items())), tuple(sorted(client.items()))), key
