@@ -17,6 +17,7 @@ import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pytest
 
 pytest.importorskip("obstore")
@@ -657,3 +658,81 @@ def test_an_epoch_under_injected_faults_equals_a_fault_free_one(env, tmp_path, m
         for shard, size in sizes.items():
             if name.endswith(shard):  # cached shards are whole (their hashes were checked on arrival)
                 assert os.path.getsize(objects / name) == size, name
+
+
+def test_two_simulated_nodes_under_torchrun_read_every_sample_once_and_fetch_only_their_shards(s3, env, tmp_path):
+    """torchrun, 2 nodes x 2 ranks, gloo; each node its own cache folder and its own counting proxy, shard
+    affinity by rendezvous hashing: every sample once per epoch over the 4 ranks, and a node fetches only
+    its own shards, each once over two epochs."""
+    import json
+    import subprocess
+    import sys
+
+    import torchforge
+    from torchforge.sampler import rendezvous_assign
+
+    endpoint, _ = s3
+    _client, _proxy, put = env
+    rows = _upload_mds(tmp_path, put, "ds/nodes", n=96)
+    url = f"s3://{BUCKET}/ds/nodes"
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "probe", storage_options={"endpoint": endpoint})
+    sizes = [m.samples for m in ds.metas]
+    # a seed whose placement gives both nodes the same number of samples, so that no rank pads its share
+    seed = next(s for s in range(1000) if 2 * sum(sz for sz, node in zip(sizes, rendezvous_assign(len(sizes), 2, s))
+                                                      if node == 0) == sum(sizes))
+    placed = rendezvous_assign(len(sizes), 2, seed)
+    proxies = [FaultProxy(endpoint), FaultProxy(endpoint)]
+    script = os.path.join(os.path.dirname(__file__), "interop", "remote_node.py")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         script, url, str(tmp_path / f"cache-{node}"), proxies[node].url, str(seed), str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for node in range(2)]
+    try:
+        logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for proxy in proxies:
+            proxy.server.shutdown()
+    assert [p.returncode for p in procs] == [0, 0], logs
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]
+    for epoch in range(2):
+        seen = sorted(i for r in ranks for i in r["epochs"][epoch])
+        assert seen == list(range(len(rows)))  # every sample exactly once per epoch
+    assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]  # reshuffled within the node
+    for node in range(2):
+        mine = {ds.metas[k].raw_basename for k in range(len(sizes)) if placed[k] == node}
+        fetched = [path.rsplit("/", 1)[1] for path, _ in proxies[node].gets if not path.endswith("index.json")]
+        assert sorted(fetched) == sorted(mine), (node, fetched, mine)  # only its own shards, each once
+        bounds = np.cumsum([0] + sizes)
+        own = {i for k in range(len(sizes)) if placed[k] == node for i in range(bounds[k], bounds[k + 1])}
+        assert all(set(r["epochs"][0]) <= own for r in ranks if r["node"] == node)
+
+
+
+def test_a_shard_evicted_between_its_fetch_and_its_open_is_fetched_again(env, tmp_path):
+    import torchforge
+
+    _client, proxy, put = env
+    rows = _upload_mds(tmp_path, put, "ds/evicted", n=40)
+    ds = torchforge.open_dataset(f"s3://{BUCKET}/ds/evicted", cache_dir=tmp_path / "cache",
+                                 storage_options=_via(proxy))
+    real, calls = ds._fetch, []
+
+    def fetch_then_lose_it(client, k, next_use):  # another process's eviction, right after the fetch
+        path = real(client, k, next_use)
+        calls.append(k)
+        if len(calls) == 1:
+            os.unlink(path)
+        return path
+
+    ds._fetch = fetch_then_lose_it
+    proxy.reset()
+    assert bytes(ds[0]["blob"]) == rows[0]["blob"]
+    assert calls == [0, 0] and proxy.gets_of(ds.metas[0].raw_basename) == 2

@@ -242,9 +242,17 @@ class RemoteMDSDataset(MDSDataset):
     def _shard(self, k: int) -> Any:
         if self.mode == "ranges":
             raise ValueError("mode='ranges' maps no shard: this needs mode='shards'")
-        if not self._files[k]:
+        if self._shards[k] is not None or self._files[k]:
+            return super()._shard(k)
+        for attempt in range(3):
             self._files[k] = self._fetch(self._client(), k, self._next_use(k))
-        return super()._shard(k)
+            try:
+                return super()._shard(k)
+            except FileNotFoundError:  # evicted by another process between the fetch and the open
+                self._files[k] = ""
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def _fetch(self, client: Any, k: int, next_use: list[str]) -> str:
         """Shard ``k`` in the node's cache (fetched if absent): its path."""
