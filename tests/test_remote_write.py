@@ -24,6 +24,7 @@ boto3 = pytest.importorskip("boto3")
 import torchforge
 from torchforge.cli import main
 from torchforge.convert import convert
+from torchforge.lazy import materialize
 from torchforge.remote import (
     FetcherClient,
     RemoteAccessError,
@@ -165,11 +166,6 @@ def env(s3, monkeypatch, tmp_path):
     ns.client.close()
 
 
-def _plain(sample):
-    m = getattr(sample, "materialize", None)
-    return m() if callable(m) else sample
-
-
 def _write_mds(folder, n=60, seed=3, **opts):
     from torchforge.formats.mds import MDSWriter
 
@@ -278,13 +274,13 @@ def test_convert_to_s3_uploads_the_index_last_and_reads_back_every_sample(env, t
     assert written[-1] == f"conv/{source}/index.json" and written.count(f"conv/{source}/index.json") == 1
     assert len(written) >= 3 and env.keys(f"conv/{source}") == sorted(written)
     assert not _uploads_left(env)  # the temporary folder is gone
-    want = [_plain(s) for s in torchforge.open_dataset(src)]
+    want = [materialize(s) for s in torchforge.open_dataset(src)]
     for mode in ("shards", "ranges"):
         got = torchforge.open_dataset(url, cache_dir=tmp_path / f"read-{mode}", mode=mode,
                                       storage_options=env.opts)
         assert len(got) == len(want) == stats.written
         for i, (a, b) in enumerate(zip(want, got)):
-            assert same(a, _plain(b)) == "", (mode, i)
+            assert same(a, materialize(b)) == "", (mode, i)
 
 
 def test_convert_jinx_to_s3_uploads_sidecars_then_shards_then_the_last_shard(env, tmp_path):
@@ -304,15 +300,15 @@ def test_convert_jinx_to_s3_uploads_sidecars_then_shards_then_the_last_shard(env
     local.mkdir()
     for k in written:
         env.s3.download_file(BUCKET, f"jx/out/{k}", str(local / k))
-    want = [_plain(s) for s in torchforge.open_dataset(src)]
-    got = [_plain(s) for s in torchforge.open_dataset(str(local))]
+    want = [materialize(s) for s in torchforge.open_dataset(src)]
+    got = [materialize(s) for s in torchforge.open_dataset(str(local))]
     assert len(got) == len(want) and all(same(a, b) == "" for a, b in zip(want, got))
     one = f"s3://{BUCKET}/jx/one.jinx"  # shard_size=None: one file, uploaded to the URL itself
     convert(src, one, to="jinx", cache_dir=env.cache, storage_options=env.opts, shard_size=None)
     with pytest.raises(RemoteExistsError):
         convert(src, one, to="jinx", cache_dir=env.cache, storage_options=env.opts, shard_size=None)
     env.s3.download_file(BUCKET, "jx/one.jinx", str(tmp_path / "one.jinx"))
-    got = [_plain(s) for s in torchforge.open_dataset(str(tmp_path / "one.jinx"))]
+    got = [materialize(s) for s in torchforge.open_dataset(str(tmp_path / "one.jinx"))]
     assert len(got) == len(want) and all(same(a, b) == "" for a, b in zip(want, got))
 
 
@@ -381,8 +377,8 @@ def test_cli_convert_inspect_verify_bench_on_a_url(env, tmp_path, capsys):
     assert "iterate" in out and "shuffle" in out
     back = str(tmp_path / "back")  # and a URL as the source
     assert main(["convert", url, back, "--to", "jinx", "-q", "--cache-dir", str(tmp_path / "c5"), *so]) == 0
-    want = [_plain(s) for s in torchforge.open_dataset(src)]
-    got = [_plain(s) for s in torchforge.open_dataset(back)]
+    want = [materialize(s) for s in torchforge.open_dataset(src)]
+    got = [materialize(s) for s in torchforge.open_dataset(back)]
     assert len(got) == 200 and all(same(a, b) == "" for a, b in zip(want, got))
     with pytest.raises(SystemExit):
         main(["inspect", url, "--storage-option", "no-equals-sign"])
