@@ -61,8 +61,15 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if t is list or t is tuple:
         changed = None
         for i, v in enumerate(obj):
-            if type(v) in _LEAVES:
+            tv = type(v)
+            if tv in _LEAVES:
                 continue
+            if tv is dict:  # a record of plain values (a chat turn): checked here, without a call
+                for x in v.values():
+                    if type(x) not in _LEAVES:
+                        break
+                else:
+                    continue
             new = map_tensors(v, fn)
             if new is not v:
                 if changed is None:
