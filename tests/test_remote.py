@@ -736,3 +736,73 @@ def test_a_shard_evicted_between_its_fetch_and_its_open_is_fetched_again(env, tm
     proxy.reset()
     assert bytes(ds[0]["blob"]) == rows[0]["blob"]
     assert calls == [0, 0] and proxy.gets_of(ds.metas[0].raw_basename) == 2
+
+
+def test_a_run_killed_mid_download_resumes_at_the_exact_sample_and_reads_nothing_partial(s3, env, tmp_path):
+    """The training process and the node's fetcher are SIGKILLed while shards are downloading; a restart
+    with the same cache folder loads the last recorded loader state and reads the rest of the epoch: the
+    ids read before and after are the uninterrupted order, and every sample's bytes are checked."""
+    import pickle
+    import subprocess
+    import sys
+
+    import torchforge
+    from torchforge.formats.mds import MDSWriter
+    from torchforge.sampler import GlobalSampler
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "interop"))
+    from remote_resume import blob
+
+    endpoint, _ = s3
+    _client, _proxy, put = env
+    local = tmp_path / "mds-resume"
+    with MDSWriter(str(local), {"id": "int", "blob": "bytes"}, size_limit=300_000, hashes=["sha1"]) as w:
+        for i in range(48):
+            w.write({"id": i, "blob": blob(i)})
+    for name in sorted(os.listdir(local), key=lambda n: n == "index.json"):
+        put(f"ds/resume-kill/{name}", (local / name).read_bytes())
+    url = f"s3://{BUCKET}/ds/resume-kill"
+    proxy = FaultProxy(endpoint)
+    proxy.delay = 0.05  # 64 KiB every 50 ms: a shard takes about a quarter of a second
+    cache, record = tmp_path / "cache", str(tmp_path / "record.pkl")
+    script = os.path.join(os.path.dirname(__file__), "interop", "remote_resume.py")
+    cmd = [sys.executable, script, url, str(cache), proxy.url, record]
+    try:
+        first = subprocess.Popen(cmd)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(record) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert os.path.exists(record), "the first run recorded no batch"
+        time.sleep(0.3)
+        fetchers = []  # the node's fetcher process for this cache folder, found by its command line
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    args = f.read().split(b"\0")
+            except OSError:
+                continue
+            if any(b"torchforge.remote.fetcher import serve" in a for a in args) and str(cache).encode() in args:
+                fetchers.append(pid)
+        first.kill()
+        for pid in fetchers:
+            os.kill(int(pid), signal.SIGKILL)
+        first.wait(10)
+        assert fetchers and not os.path.exists(record + ".done")  # killed before the end of the epoch
+        left = os.listdir(cache / "remote" / "objects")
+        assert any(".tmp." in n for n in left), left  # a download was in progress: its partial file is left
+        with open(record, "rb") as f:
+            before = pickle.load(f)["ids"]
+        proxy.delay = 0.0
+        assert subprocess.run(cmd, check=False, timeout=120).returncode == 0  # checks every sample's bytes
+    finally:
+        proxy.server.shutdown()
+    with open(record, "rb") as f:
+        ids = pickle.load(f)["ids"]
+    assert ids[:len(before)] == before and 0 < len(before) < 48
+    assert ids == GlobalSampler(48, seed=3).indices(0, 48).tolist()
+    ds = torchforge.open_dataset(url, cache_dir=cache, storage_options={"endpoint": endpoint})
+    objects = cache / "remote" / "objects"
+    for m in ds.metas:  # whatever the cache holds under a shard's name is the whole shard
+        for name in os.listdir(objects):
+            if name.endswith(m.raw_basename):
+                assert os.path.getsize(objects / name) == m.raw_bytes, name
