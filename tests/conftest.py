@@ -7,8 +7,9 @@ test file imports them by name (``from expected import rich, same``).
 """
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -57,3 +58,27 @@ def our_shm() -> Callable[[], set[str]]:
 def _private_user_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The per-user cache folder (key caches, ...) of the whole run: a fresh one, not ~/.cache."""
     os.environ.setdefault("TORCHFORGE_CACHE_DIR", str(tmp_path_factory.mktemp("user-cache")))
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """A real S3-compatible server (moto's server mode) on 127.0.0.1 for the whole run: its endpoint URL.
+    Each test module makes its own bucket."""
+    moto_server = pytest.importorskip("moto.server")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def aws_env(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The standard AWS variables pointing at the moto server, as a user's shell would set them, and a
+    fetcher that exits 3 s after its last client; returns the endpoint."""
+    for k, v in {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true",
+                 "TORCHFORGE_FETCHER_IDLE_EXIT": "3"}.items():
+        monkeypatch.setenv(k, v)
+    return moto_endpoint

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import http.client
-import logging
 import os
 import signal
 import socket
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("obstore")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
 from torchforge.errors import TorchforgeError
@@ -130,27 +129,18 @@ class FaultProxy:
 
 
 @pytest.fixture(scope="module")
-def s3():
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    _put(endpoint, BUCKET)
-    proxy = FaultProxy(endpoint)
-    yield endpoint, proxy
+def s3(moto_endpoint):
+    """This module's bucket on the session's moto server, and a fault proxy in front of it."""
+    _put(moto_endpoint, BUCKET)
+    proxy = FaultProxy(moto_endpoint)
+    yield moto_endpoint, proxy
     proxy.server.shutdown()
-    server.stop()
 
 
 @pytest.fixture
-def env(s3, monkeypatch, tmp_path):
+def env(s3, aws_env, tmp_path):
     """The standard AWS variables pointing at moto; a fresh cache folder; returns (client, proxy, put)."""
     endpoint, proxy = s3
-    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true",
-                 "TORCHFORGE_FETCHER_IDLE_EXIT": "3"}.items():
-        monkeypatch.setenv(k, v)
     proxy.reset()
     client = connect(tmp_path / "cache")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
-import logging
 import os
 import shutil
 import threading
@@ -18,7 +17,7 @@ import pytest
 from expected import mds_rows, same
 
 pytest.importorskip("obstore")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
 import torchforge
@@ -127,31 +126,22 @@ class Proxy:
 
 
 @pytest.fixture(scope="module")
-def s3():
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+def s3(moto_endpoint):
+    """This module's bucket on the session's moto server, and a recording proxy in front of it."""
+    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1", aws_access_key_id="testing",
                           aws_secret_access_key="testing")
     client.create_bucket(Bucket=BUCKET)
-    proxy = Proxy(endpoint)
-    yield endpoint, proxy, client
+    proxy = Proxy(moto_endpoint)
+    yield moto_endpoint, proxy, client
     proxy.server.shutdown()
-    server.stop()
 
 
 @pytest.fixture
-def env(s3, monkeypatch, tmp_path):
+def env(s3, aws_env, monkeypatch, tmp_path):
     """AWS variables pointing at moto; requests go through the proxy (``storage_options``); returns a
     namespace of the fetcher client, the proxy, boto3's client, the options and the cache folder."""
-    endpoint, proxy, s3_client = s3
-    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true",
-                 "TORCHFORGE_FETCHER_IDLE_EXIT": "3",
-                 "TORCHFORGE_CACHE_DIR": str(tmp_path / "user-cache")}.items():
-        monkeypatch.setenv(k, v)
+    _endpoint, proxy, s3_client = s3
+    monkeypatch.setenv("TORCHFORGE_CACHE_DIR", str(tmp_path / "user-cache"))
     proxy.reset()
 
     cache = str(tmp_path / "cache")
