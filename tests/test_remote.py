@@ -736,12 +736,11 @@ def test_a_run_killed_mid_download_resumes_at_the_exact_sample_and_reads_nothing
     import subprocess
     import sys
 
+    from remote_resume import blob
+
     import torchforge
     from torchforge.formats.mds import MDSWriter
     from torchforge.sampler import GlobalSampler
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "interop"))
-    from remote_resume import blob
 
     endpoint, _ = s3
     _client, _proxy, put = env
