@@ -157,19 +157,10 @@ class _Server:
             return self.stores[spec]
 
     def handle(self, req: Any) -> Any:
-        if isinstance(req, HeadRequest):
-            return self.head(req)
-        if isinstance(req, RangesRequest):
-            return self.ranges(req)
-        if isinstance(req, FetchRequest):
-            return self.fetch(req)
-        if isinstance(req, PutRequest):
-            return self.put(req)
-        if isinstance(req, ListRequest):
-            return self.list(req)
-        if isinstance(req, DeleteRequest):
-            return self.delete(req)
-        raise TypeError(f"unknown request {type(req).__name__}")
+        method = _HANDLERS.get(type(req))
+        if method is None:
+            raise TypeError(f"unknown request {type(req).__name__}")
+        return getattr(self, method)(req)
 
     def head(self, req: HeadRequest) -> ObjectInfo:
         import obstore
@@ -337,6 +328,11 @@ class _Server:
                     _retrying(req.url, lambda key=key: obstore.delete(store, key))
                 except RemoteNotFoundError:
                     pass
+
+
+# request type -> the _Server method that serves it
+_HANDLERS = {HeadRequest: "head", RangesRequest: "ranges", FetchRequest: "fetch", PutRequest: "put",
+             ListRequest: "list", DeleteRequest: "delete"}
 
 
 def _open_store(spec: StoreSpec) -> Any:
