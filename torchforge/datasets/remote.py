@@ -257,25 +257,29 @@ class RemoteMDSDataset(MDSDataset):
     def _fetch(self, client: Any, k: int, next_use: list[str]) -> str:
         """Shard ``k`` in the node's cache (fetched if absent): its path."""
         m = self.metas[k]
-        zipped = m.zip_basename is not None
-        name = m.zip_basename if zipped else m.raw_basename
-        size = (m.zip_bytes or 0) if zipped else m.raw_bytes
-        entry = m.raw.get("zip_data" if zipped else "raw_data") or {}
+        entry = m.raw.get("zip_data" if m.zip_basename is not None else "raw_data") or {}
         hashes = entry.get("hashes") if isinstance(entry, dict) else None
-        return client.fetch(f"{self.url}/{name}", size, hashes=hashes if isinstance(hashes, dict) else None,
-                            cache_limit=self.cache_limit, policy=self.cache_policy,
-                            storage_options=self.storage_options, next_use=next_use)
+        return client.fetch(self._url_of(k), self._stored_bytes(k),
+                            hashes=hashes if isinstance(hashes, dict) else None, cache_limit=self.cache_limit,
+                            policy=self.cache_policy, storage_options=self.storage_options, next_use=next_use)
 
     def _url_of(self, k: int) -> str:
+        """The URL of shard ``k``'s stored file (the compressed one for a shard compressed as a whole)."""
         m = self.metas[k]
         return f"{self.url}/{m.zip_basename or m.raw_basename}"
+
+    def _stored_bytes(self, k: int) -> int:
+        """The size of shard ``k``'s stored file."""
+        m = self.metas[k]
+        return (m.zip_bytes or 0) if m.zip_basename is not None else m.raw_bytes
 
     def _next_use(self, k: int) -> list[str]:
         """The shards needed after shard ``k``: from the planned order when there is one, else the next ones
         in index order."""
         plan = self._plan
         if k in plan:
-            after = plan[plan.index(k) + 1:plan.index(k) + 1 + NEXT_USE]
+            at = plan.index(k) + 1
+            after = plan[at:at + NEXT_USE]
         else:
             after = list(range(k + 1, min(k + 1 + NEXT_USE, len(self.metas))))
         return [self._url_of(j) for j in after]
@@ -324,8 +328,7 @@ class RemoteMDSDataset(MDSDataset):
         try:
             ahead = 0
             for pos, k in enumerate(order):
-                m = self.metas[k]
-                ahead += (m.zip_bytes or 0) if m.zip_basename is not None else m.raw_bytes
+                ahead += self._stored_bytes(k)
                 if stop.is_set() or ahead > budget:
                     return
                 try:
