@@ -84,7 +84,7 @@ class _Items(TensorTable):
     """A TensorTable that keeps DTensors as they are (no alias detection across ranks' shards)."""
 
     def add(self, name: str, t: torch.Tensor) -> str:
-        self.tensors[name] = t.detach()
+        self.tensors[name] = t.detach() if t.requires_grad else t  # a DTensor's detach costs a dispatch
         return name
 
 
@@ -94,13 +94,20 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
+_regions: dict[Any, tuple[Any, Any]] = {}
+
+
 def _local_region(t: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
     """(local tensor, global offsets, local sizes) of what this rank holds of ``t``."""
     if _is_dtensor(t):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         local = t.to_local()
-        shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        key = (tuple(t.shape), t.device_mesh, tuple(t.placements))
+        found = _regions.get(key)
+        if found is None:  # the same for every tensor of one shape and layout (all the layers of a stack)
+            found = _regions[key] = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        shape, offsets = found
         if tuple(local.shape) != tuple(shape):  # uneven shards are padded by some placements
             local = local[tuple(slice(0, s) for s in shape)]
         return local, list(offsets), list(shape)

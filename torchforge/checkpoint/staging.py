@@ -20,30 +20,43 @@ class Arena:
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
+        self._layout: tuple[Any, list[torch.Tensor], list[memoryview]] | None = None  # the last stage's views
 
     def stage(self, files: Sequence[FilePlan], *, ordered: bool = False) -> Any:
         """Copy every part of ``files`` into the arena and point the files' views at it.
 
-        See :func:`copy_tensors` for what ``ordered`` does and what is returned.
+        The destination views are kept and reused while the files' layout stays the same (save after
+        save of one model): making them costs about 40 us a tensor. See :func:`copy_tensors` for what
+        ``ordered`` does and what is returned.
         """
-        regions, total = [], 0
-        for f in files:
-            regions.append(total)
-            total += -(-(f.size - len(f.head)) // 64) * 64
-        if self.buf is None or self.buf.numel() < total:
-            self.buf = None
-            self.buf = pinned_empty(total) if torch.cuda.is_available() else torch.empty(total, dtype=torch.uint8)
+        layout = tuple((f.size, len(f.head), tuple((off, t.dtype, t.shape) for off, t in f.parts)) for f in files)
+        if self._layout is not None and self._layout[0] == layout and self.buf is not None:
+            dsts, spans = self._layout[1], self._layout[2]
+        else:
+            self._layout = None
+            regions, total = [], 0
+            for f in files:
+                regions.append(total)
+                total += -(-(f.size - len(f.head)) // 64) * 64
+            if self.buf is None or self.buf.numel() < total:
+                self.buf = None
+                self.buf = pinned_empty(total) if torch.cuda.is_available() else torch.empty(total, dtype=torch.uint8)
+            dsts, spans = [], []
+            for f, base in zip(files, regions):
+                hl = len(f.head)
+                for off, t in f.parts:
+                    n = t.numel() * t.element_size()
+                    if n:
+                        dsts.append(self.buf[base + off - hl: base + off - hl + n].view(t.dtype).view(t.shape))
+                spans.append(as_bytes(self.buf[base: base + f.size - hl]) if f.size > hl else memoryview(b""))
+            self._layout = (layout, dsts, spans)
         pairs = []
-        for f, base in zip(files, regions):
-            hl = len(f.head)
-            for off, t in f.parts:
-                n = t.numel() * t.element_size()
-                if n:
-                    dst = self.buf[base + off - hl: base + off - hl + n]
-                    pairs.append((dst.view(t.dtype).view(t.shape), t))
+        it = iter(dsts)
+        for f, span in zip(files, spans):
+            pairs += [(next(it), t) for _, t in f.parts if t.numel()]
             f.views = [(0, memoryview(f.head))]
-            if f.size > hl:
-                f.views.append((hl, as_bytes(self.buf[base: base + f.size - hl])))
+            if len(span):
+                f.views.append((len(f.head), span))
         return copy_tensors(pairs, ordered=ordered)
 
 
@@ -89,7 +102,7 @@ def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, ordered:
             if "cuda" in (dst.device.type, src.device.type):
                 gpu.append((dst, src))
             else:
-                dst.copy_(src.detach())
+                dst.copy_(src)  # under no_grad: no detach needed (a DTensor's would cost a dispatch)
         return _copy_gpu(gpu, ordered) if gpu else []
 
 

@@ -135,7 +135,7 @@ def split_by_size(tensors: Mapping[str, torch.Tensor], max_shard: int) -> list[d
 
 def file_plan(fname: str, tensors: Mapping[str, torch.Tensor]) -> tuple[FilePlan, list[tuple[str, torch.Tensor, int]]]:
     """One safetensors file's plan, and its layout: (name, tensor, file offset of its data)."""
-    head, layout = plan(tensors)
+    head, layout = plan(tensors, align=True)
     size = len(head) + sum(t.numel() * t.element_size() for t in tensors.values())
     return FilePlan(fname, head, [(off, t) for _, t, off in layout], size), layout
 

@@ -456,12 +456,18 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def plan(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
-         ) -> tuple[bytes, list[tuple[str, torch.Tensor, int]]]:
+def plan(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None, *,
+         align: bool = False) -> tuple[bytes, list[tuple[str, torch.Tensor, int]]]:
     """Lay out a file: the 8-byte length + padded JSON header, and (name, tensor, file offset) in order.
 
     The order and header bytes are those of the official writer (dtype alignment descending, then name;
     header padded with spaces to a multiple of 8), so the files are byte-identical to its output.
+
+    With ``align`` (checkpoint files, which promise no byte identity): the header is padded so the data
+    starts at a multiple of 64 bytes, and tensors whose size is a multiple of 64 bytes come first, so each
+    of them starts on a cache line of the file, of a buffer laid out like it and of a page-aligned mmap:
+    copying to or from a misaligned address is about 20% slower (a 0-dim ``step`` placed between two
+    layers misaligns every layer after it).
     """
     if metadata is not None and (not isinstance(metadata, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
@@ -475,7 +481,10 @@ def plan(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
         if not isinstance(t, torch.Tensor):
             raise SafetensorsError(f"{name!r} is a {type(t).__name__}, expected a torch.Tensor")
         items.append((name, t, tensor_code(t)))
-    items.sort(key=lambda x: (-_ORDER[x[2]], x[0]))
+    if align:
+        items.sort(key=lambda x: (x[1].numel() * x[1].element_size() % 64 != 0, -_ORDER[x[2]], x[0]))
+    else:
+        items.sort(key=lambda x: (-_ORDER[x[2]], x[0]))
     header: dict[str, Any] = {}
     if metadata is not None:
         header["__metadata__"] = dict(sorted(metadata.items()))
@@ -487,7 +496,7 @@ def plan(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
         layout.append((name, t, pos))
         pos += n
     hb = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    hb += b" " * (-len(hb) % 8)
+    hb += b" " * (-(len(hb) + 8) % 64 if align else -len(hb) % 8)
     if len(hb) > MAX_HEADER_SIZE:
         raise SafetensorsError(f"header of {len(hb)} bytes exceeds {MAX_HEADER_SIZE}")
     head = struct.pack("<Q", len(hb)) + hb
