@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import json
 import os
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -795,3 +798,83 @@ def test_a_run_killed_mid_download_resumes_at_the_exact_sample_and_reads_nothing
         for name in os.listdir(objects):
             if name.endswith(m.raw_basename):
                 assert os.path.getsize(objects / name) == m.raw_bytes, name
+
+
+# Every 10 ms until SIGINT: the cache folder's bytes (partial downloads included), listed under the cache's
+# accounting lock (evictions and reservations happen under it; a download renamed into place while the folder
+# is listed may show under both its names: counted once), and the cache files that the test process or its
+# children (the loader's workers) map after they were removed. Written as JSON to argv[2].
+_WATCH = """
+import contextlib, fcntl, json, os, sys, time
+import psutil
+cache, out = sys.argv[1], sys.argv[2]
+objects = os.path.join(cache, "remote", "objects")
+test = psutil.Process(os.getppid())
+peaks, deleted = [], set()
+try:
+    while True:
+        sizes = {}
+        with open(os.path.join(cache, "remote", ".accounting"), "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            for e in os.scandir(objects):
+                with contextlib.suppress(FileNotFoundError):
+                    sizes[e.name.split(".tmp.")[0]] = e.stat().st_size
+        peaks.append(sum(sizes.values()))
+        for proc in [test, *test.children(recursive=True)]:
+            try:
+                with open(f"/proc/{proc.pid}/maps") as f:
+                    lines = f.read().splitlines()
+            except OSError:
+                continue
+            deleted.update(ln.split(None, 5)[-1] for ln in lines if objects in ln and ln.endswith("(deleted)"))
+        time.sleep(0.01)
+except KeyboardInterrupt:
+    pass
+with open(out, "w") as f:
+    json.dump({"peaks": peaks, "deleted": sorted(deleted)}, f)
+"""
+
+
+def test_cache_limit_holds_every_10ms_and_no_mapped_shard_is_evicted(env, tmp_path):
+    import torch
+
+    import torchforge
+
+    _client, proxy, put = env
+    from torchforge.formats.mds import MDSWriter
+
+    rows = [{"id": i, "blob": bytes([i % 251]) * 1000} for i in range(240)]
+    local = tmp_path / "mds-tight"
+    with MDSWriter(str(local), {"id": "int", "blob": "bytes"}, size_limit=1 << 13) as w:
+        for r in rows:
+            w.write(r)
+    shard_bytes = [(local / n).stat().st_size for n in sorted(os.listdir(local)) if n != "index.json"]
+    for name in sorted(os.listdir(local)):
+        if name != "index.json":
+            put(f"ds/tight/{name}", (local / name).read_bytes())
+    put("ds/tight/index.json", (local / "index.json").read_bytes())
+    limit = sum(shard_bytes) // 4
+    assert len(shard_bytes) >= 20 and limit >= 5 * max(shard_bytes)
+    cache = tmp_path / "cache"
+    ds = torchforge.open_dataset(f"s3://{BUCKET}/ds/tight", cache_dir=cache, cache_limit=limit,
+                                 storage_options=_via(proxy))
+    # the watcher is its own process: a lock it held while the loader forks would pass to the workers
+    watcher = subprocess.Popen([sys.executable, "-c", _WATCH, str(cache), str(tmp_path / "watch.json")])
+    try:
+        got = {}
+        for epoch in range(2):
+            loader = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=True, num_workers=2,
+                                                 generator=torch.Generator().manual_seed(epoch))
+            for s in loader:
+                got[int(s["id"])] = bytes(s["blob"])
+            assert got == {r["id"]: r["blob"] for r in rows}
+        for i in torch.randperm(len(rows))[:60].tolist():  # the main process reads at random too
+            assert bytes(ds[i]["blob"]) == rows[i]["blob"]
+    finally:
+        watcher.send_signal(signal.SIGINT)
+        watcher.wait(30)
+    seen = json.loads((tmp_path / "watch.json").read_text())
+    peaks, deleted = seen["peaks"], seen["deleted"]
+    assert len(peaks) > 20 and max(peaks) <= limit, (max(peaks), limit)
+    assert not deleted, f"evicted while mapped: {sorted(deleted)[:3]}"
+    assert sum(proxy.gets_of(f"ds/tight/{n}") for n in os.listdir(local) if n != "index.json") > len(shard_bytes)

@@ -23,9 +23,11 @@ process, each request carrying the shards needed next (what Belady's eviction ru
 (a :class:`~torchforge.sampler.GlobalSampler`, whose ``indices()`` is pure); with torch's loader, call it
 yourself. With a ``cache_limit`` it runs at most half the limit ahead.
 
-Not yet here (issue 13): JINX and safetensors datasets at a URL, and eviction protection for shards that
-are mapped (an evicted shard stays readable to the processes that have it mapped: Linux keeps the
-unlinked file until they unmap it).
+A mapped shard is held in use until its map is gone (see ``_shard``): no eviction removes a file a
+reader maps, so the disk the cache uses is the files it can count. With a ``cache_limit`` each process
+keeps at most its share of half the limit mapped.
+
+Not yet here (issue 13): JINX and safetensors datasets at a URL.
 """
 from __future__ import annotations
 
@@ -39,17 +41,20 @@ import shutil
 import struct
 import tempfile
 import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from torchforge._limits import ensure_open_files
 from torchforge.datasets.mds import MDSDataset
 from torchforge.errors import CorruptShardError
 from torchforge.formats.mds import INDEX_BASENAME
 from torchforge.formats.mds_reader import SampleDecoder, ShardMeta
-from torchforge.remote import FetcherClient, connect, is_remote
+from torchforge.remote import FetcherClient, ObjectCache, connect, is_remote
 from torchforge.sizes import parse_size
 
 __all__ = ["RemoteMDSDataset", "is_remote"]
@@ -91,6 +96,7 @@ class RemoteMDSDataset(MDSDataset):
         if cache_policy not in POLICIES:
             raise ValueError(f"cache_policy={cache_policy!r} is not one of {list(POLICIES)}")
         self.cache_policy = cache_policy
+        self._held: tuple[int, OrderedDict[int, int]] | None = None  # (pid, this process's mapped shards)
         self._plan: list[int] = []  # shards in the order of first use, as the last prefetch() was told
         self._prefetcher: tuple[int, threading.Thread, threading.Event] | None = None  # (pid, thread, stop)
         if mode == "ranges" and kwargs.get("lazy"):
@@ -240,19 +246,73 @@ class RemoteMDSDataset(MDSDataset):
         return ""  # fetched on first use (see _shard)
 
     def _shard(self, k: int) -> Any:
+        """Shard ``k`` mapped, fetched into the node's cache first if absent.
+
+        A mapped shard is held in use (:meth:`ObjectCache.hold`) until its map is gone (the last sample
+        or zero-copy value that needs it included), so no process's eviction removes a file a reader has
+        mapped: an unlinked file that is still mapped keeps its disk space, which the cache could not
+        count. With a ``cache_limit`` a process keeps at most its share of half the limit mapped (the
+        limit over twice the node's reading processes: ``LOCAL_WORLD_SIZE`` times the DataLoader's
+        workers), dropping its least recently used maps first, and holds nothing while it waits for room.
+        """
         if self.mode == "ranges":
             raise ValueError("mode='ranges' maps no shard: this needs mode='shards'")
-        if self._shards[k] is not None or self._files[k]:
-            return super()._shard(k)
-        for attempt in range(3):
-            self._files[k] = self._fetch(self._client(), k, self._next_use(k))
-            try:
-                return super()._shard(k)
-            except FileNotFoundError:  # evicted by another process between the fetch and the open
-                self._files[k] = ""
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+        held = self._held_here()
+        shard = self._shards[k]
+        if shard is not None:
+            held.move_to_end(k)
+            return shard
+        self._make_room(held, self._stored_bytes(k))
+        if not self._room:  # a map and a hold per shard
+            ensure_open_files(2 * len(self.metas), "RemoteMDSDataset")
+            self._room = True
+        pin = ObjectCache(self._client().cache_dir).hold(self._url_of(k))
+        try:
+            for attempt in range(3):
+                if not self._files[k] or not os.path.exists(self._files[k]):  # evicted before it was held
+                    self._files[k] = self._fetch(self._client(), k, self._next_use(k))
+                try:
+                    shard = super()._shard(k)
+                    break
+                except FileNotFoundError:
+                    self._files[k] = ""
+                    if attempt == 2:
+                        raise
+        except BaseException:
+            os.close(pin)
+            raise
+        if shard._mm is None:  # an empty shard maps nothing
+            os.close(pin)
+        else:
+            weakref.finalize(shard._mm, os.close, pin)  # let go when the map is gone, not before
+        held[k] = self._stored_bytes(k)
+        return shard
+
+    def _held_here(self) -> OrderedDict[int, int]:
+        """This process's mapped shards (shard -> bytes), least recently used first. A forked worker
+        drops the maps it inherited (its copies of their holds go with them)."""
+        if self._held is None or self._held[0] != os.getpid():
+            if self._held is not None:
+                self._shards = [None] * len(self.metas)
+                self._room = False
+            self._held = (os.getpid(), OrderedDict())
+        return self._held[1]
+
+    def _make_room(self, held: OrderedDict[int, int], size: int) -> None:
+        if self.cache_limit is None:
+            return
+        import torch.utils.data
+
+        procs = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+        info = torch.utils.data.get_worker_info()
+        if info is not None:
+            procs *= max(1, info.num_workers)
+        budget = self.cache_limit / (2 * procs)
+        total = sum(held.values())
+        while held and total + size > budget:
+            old, nbytes = held.popitem(last=False)
+            self._shards[old] = None  # unmapped, and its hold released, once nothing uses it
+            total -= nbytes
 
     def _fetch(self, client: Any, k: int, next_use: list[str]) -> str:
         """Shard ``k`` in the node's cache (fetched if absent): its path."""
@@ -345,6 +405,7 @@ class RemoteMDSDataset(MDSDataset):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_client_of"] = None  # a connection does not travel: the other process opens its own
+        state["_held"] = None
         state["_prefetcher"] = None
         return state
 

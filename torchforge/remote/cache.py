@@ -32,6 +32,7 @@ import hashlib
 import os
 import re
 import secrets
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
@@ -86,6 +87,10 @@ def lru(objects: Sequence[CachedObject], next_use: Mapping[str, int]) -> list[Ca
 
 
 POLICIES: dict[str, EvictionPolicy] = {"belady": belady, "lru": lru}
+
+
+class _Busy(CacheFullError):
+    """No room now: the objects that fill the cache are in use (or downloading)."""
 
 
 @contextlib.contextmanager
@@ -143,20 +148,37 @@ class ObjectCache:
     @contextlib.contextmanager
     def pinned(self, url: str) -> Iterator[None]:
         """Mark ``url`` in use while the block runs (any process): eviction never removes it."""
-        with _flock(os.path.join(self.locks, f"{url_key(url)}.use"), fcntl.LOCK_SH):
+        fd = self.hold(url)
+        try:
             yield
+        finally:
+            os.close(fd)
+
+    def hold(self, url: str) -> int:
+        """Mark ``url`` in use until the returned descriptor is closed (by this process and every child
+        that inherited it): eviction never removes it meanwhile. A reader takes this before it looks for
+        the file, so the file it then finds stays until it lets go."""
+        fd = os.open(os.path.join(self.locks, f"{url_key(url)}.use"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     # -- filling ----------------------------------------------------------------------------------
     def fill(self, url: str, version: str, size: int, download: Callable[[IO[bytes]], None], *,
-             next_use: Mapping[str, int] | None = None) -> str:
+             next_use: Mapping[str, int] | None = None, wait: float = 0.0) -> str:
         """The cached file of ``url`` at ``version``, downloading it with ``download(file)`` if missing.
 
         ``download`` writes exactly ``size`` bytes to the file (opened at offset 0) and raises if the bytes
         are wrong; this checks the size again, then renames the file into place. One process per node
-        downloads; the others wait and find the file.
+        downloads; the others wait and find the file. When the objects in use leave no room, it waits up
+        to ``wait`` seconds for their readers to let go (see :meth:`hold`).
 
         Raises:
-            CacheFullError: no room within ``limit`` even after evicting every object not in use.
+            CacheFullError: no room within ``limit`` even after evicting every object not in use (and
+                waiting ``wait`` seconds for more to come out of use).
             RemoteCorruptError: ``download`` wrote a number of bytes other than ``size``.
         """
         if size < 0:
@@ -170,7 +192,15 @@ class ObjectCache:
             path = self.lookup(url, version, size)
             if path is not None:
                 return path
-            tmp = self._reserve(final, size, url, next_use or {})
+            deadline = time.monotonic() + wait
+            while True:
+                try:
+                    tmp = self._reserve(final, size, url, next_use or {})
+                    break
+                except _Busy:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.02)
             try:
                 with open(tmp, "r+b") as f:
                     download(f)
@@ -180,7 +210,10 @@ class ObjectCache:
                         raise RemoteCorruptError(f"received {written} bytes, the index records {size}", url=url)
                     f.truncate(size)
                     os.fsync(f.fileno())
-                os.rename(tmp, final)
+                # under the accounting lock: a folder listed while a file is renamed may show it under
+                # neither name, and a reservation that missed it would overfill the cache
+                with _flock(os.path.join(self.root, ".accounting"), fcntl.LOCK_EX):
+                    os.rename(tmp, final)
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
@@ -225,7 +258,7 @@ class ObjectCache:
                         break
                     used -= self._evict(victim)
                 if used + size > self.limit:
-                    raise CacheFullError(f"cache_limit={self.limit} bytes: {used} are held by objects in use "
+                    raise _Busy(f"cache_limit={self.limit} bytes: {used} are held by objects in use "
                                          f"or downloading, no room for {size} more; raise cache_limit or "
                                          f"use fewer objects at once", url=url)
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -63,6 +63,7 @@ from torchforge.remote.url import StoreSpec
 __all__ = ["BACKOFF_BASE", "BACKOFF_CAP", "IDLE_EXIT", "RETRIES", "serve"]
 
 RETRIES = 6
+IN_USE_WAIT = 60.0  # seconds a fetch waits for readers to let go of cached objects when they fill cache_limit
 BACKOFF_BASE = 0.05
 BACKOFF_CAP = 2.0
 IDLE_EXIT = float(os.environ.get("TORCHFORGE_FETCHER_IDLE_EXIT", "15"))
@@ -279,7 +280,7 @@ class _Server:
                     raise RemoteCorruptError(f"{bad[0]} of the bytes received is {hashers[bad[0]].hexdigest()}, "
                                              f"the index records {hashes[bad[0]]}", url=req.url)
 
-        return cache.fill(req.url, version, req.size, download, next_use=next_use)
+        return cache.fill(req.url, version, req.size, download, next_use=next_use, wait=IN_USE_WAIT)
 
 
     def put(self, req: PutRequest) -> ObjectInfo:
