@@ -9,6 +9,7 @@ import hashlib
 import http.client
 import json
 import os
+import pickle
 import signal
 import socket
 import struct
@@ -463,9 +464,10 @@ def test_open_dataset_at_an_s3_url_reads_every_sample_once_per_node(env, tmp_pat
         got[int(s["id"])] = bytes(s["blob"])
     assert got == {r["id"]: r["blob"] for r in rows}
     assert all(proxy.gets_of(name) == 1 for name in shards), [(n, proxy.gets_of(n)) for n in shards]
-    # a second open of the same version: everything from the node's cache, no shard fetched again
+    # a second open of the same version (through the format's own class): everything from the node's cache
     proxy.reset()
-    again = torchforge.open_dataset(f"s3://{BUCKET}/ds/a", cache_dir=tmp_path / "cache", storage_options=opts)
+    again = torchforge.MDSDataset(f"s3://{BUCKET}/ds/a", cache_dir=tmp_path / "cache", storage_options=opts)
+    assert isinstance(again, RemoteMDSDataset)
     assert [again[i]["id"] for i in range(len(rows))] == list(range(len(rows)))
     assert sum(proxy.gets_of(name) for name in shards) == 0
     # nothing was written next to the data: the cache is the folder given
@@ -719,11 +721,11 @@ def test_a_shard_evicted_between_its_fetch_and_its_open_is_fetched_again(env, tm
     real, calls = ds._fetch, []
 
     def fetch_then_lose_it(client, k, next_use):  # another process's eviction, right after the fetch
-        path = real(client, k, next_use)
+        paths = real(client, k, next_use)
         calls.append(k)
         if len(calls) == 1:
-            os.unlink(path)
-        return path
+            os.unlink(paths[0])
+        return paths
 
     ds._fetch = fetch_then_lose_it
     proxy.reset()
@@ -878,3 +880,162 @@ def test_cache_limit_holds_every_10ms_and_no_mapped_shard_is_evicted(env, tmp_pa
     assert len(peaks) > 20 and max(peaks) <= limit, (max(peaks), limit)
     assert not deleted, f"evicted while mapped: {sorted(deleted)[:3]}"
     assert sum(proxy.gets_of(f"ds/tight/{n}") for n in os.listdir(local) if n != "index.json") > len(shard_bytes)
+
+
+# --- JINX at a URL -------------------------------------------------------------------------------------
+INTEROP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "interop")
+
+
+def _interop(name: str) -> tuple[str, dict]:
+    with open(os.path.join(INTEROP, "manifest.json")) as f:
+        return os.path.join(INTEROP, name), json.load(f)[name]
+
+
+def _upload_folder(put, folder: str, prefix: str) -> int:
+    total = 0
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            data = f.read()
+        put(f"{prefix}/{name}", data)
+        total += len(data)
+    return total
+
+
+def test_a_jinx_dataset_at_an_s3_url_reads_mldataforges_shards_fetching_each_once(env, tmp_path):
+    import torch
+    from expected import rich, same
+
+    import torchforge
+    from torchforge.datasets.remote import RemoteJinxDataset
+
+    _client, proxy, put = env
+    local, m = _interop("jinx-b64-multishard")
+    total = _upload_folder(put, local, "jx/multi")
+    proxy.reset()
+    url = f"s3://{BUCKET}/jx/multi"
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    assert isinstance(ds, RemoteJinxDataset) and len(ds) == m["n"]
+    assert proxy.bytes_sent < total / 5  # opening read the footers, not the shards
+    names = sorted(os.listdir(local))
+    expected = list(rich(m["n"], m["seed"], m["tensors"]))
+    proxy.reset()
+    got = {}
+    loader = torch.utils.data.DataLoader(range(len(ds)), batch_size=None, shuffle=True, num_workers=2,
+                                         collate_fn=lambda i: (i, ds[i].to_dict() if hasattr(ds[i], "to_dict") else
+                                                               dict(ds[i])))
+    for i, sample in loader:
+        got[i] = sample
+    assert sorted(got) == list(range(m["n"]))
+    for i, exp in enumerate(expected):
+        assert same(exp, got[i]) == "", i
+    # every shard and sidecar fetched whole once by the node (two forked workers share the cache)
+    assert all(proxy.gets_of(f"jx/multi/{n}") == 1 for n in names), [(n, proxy.gets_of(f"jx/multi/{n}")) for n in names]
+    proxy.reset()
+    assert same(expected[-1], ds[-1]) == "" and [same(e, s) for e, s in zip(expected, ds)] == [""] * m["n"]
+    assert proxy.bytes_sent == 0  # all from the node's cache now
+    assert torchforge.open_dataset(url, split="nope", cache_dir=tmp_path / "cache",
+                                   storage_options=_via(proxy)).__len__() == 0
+    # the format's own class takes the URL too, with the same options, and pickles (spawned workers)
+    direct = torchforge.JinxDataset(url, False, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    assert isinstance(direct, RemoteJinxDataset) and not direct.lazy and same(expected[7], direct[7]) == ""
+    again = pickle.loads(pickle.dumps(direct))
+    assert isinstance(again, RemoteJinxDataset) and same(expected[-1], again[-1]) == ""
+
+
+def test_a_jinx_shard_overwritten_or_lying_at_its_url_is_a_typed_error_naming_it(env, tmp_path):
+    import torchforge
+    from torchforge.errors import CorruptShardError
+    from torchforge.remote import RemoteChangedError
+
+    _client, proxy, put = env
+    local, _ = _interop("jinx-b64-multishard")
+    _upload_folder(put, local, "jx/over")
+    url = f"s3://{BUCKET}/jx/over"
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    last = ds.locate(len(ds) - 1)[0]
+    with open(os.path.join(local, f"shard-{last:05d}.jinx"), "rb") as f:
+        data = f.read()
+    put(f"jx/over/shard-{last:05d}.jinx", data[:10] + bytes([data[10] ^ 1]) + data[11:])  # another version
+    with pytest.raises(RemoteChangedError, match=f"shard-{last:05d}.jinx"):
+        ds[len(ds) - 1]
+    assert ds[0] is not None  # the shards that did not change still read
+    put(f"jx/over/shard-{last:05d}.jinx", data[: len(data) // 2])  # truncated: no footer-offset line
+    with pytest.raises(CorruptShardError, match=f"shard-{last:05d}.jinx") as e:
+        torchforge.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    assert e.value.offset is not None
+    put(f"jx/over/shard-{last:05d}.jinx", data[:-40] + b"\n999999999999\n")  # a lying footer offset
+    with pytest.raises(CorruptShardError, match="footer"):
+        torchforge.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+
+
+class _RangeHandler(BaseHTTPRequestHandler):
+    """GET (with one ``Range: bytes=a-b``) and HEAD of the files below the server's folder, with ETags;
+    records (path, ranged) for every GET."""
+
+    def log_message(self, *args):
+        pass
+
+    def _file(self):
+        path = os.path.join(self.server.folder, self.path.lstrip("/"))
+        if not os.path.isfile(path):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
+        return path
+
+    def _headers(self, path: str, status: int, length: int, extra: dict) -> None:
+        st = os.stat(path)
+        self.send_response(status)
+        self.send_header("Content-Length", str(length))
+        self.send_header("ETag", f'"{st.st_size}-{st.st_mtime_ns}"')
+        self.send_header("Last-Modified", self.date_time_string(int(st.st_mtime)))
+        self.send_header("Accept-Ranges", "bytes")
+        for k, v in extra.items():
+            self.send_header(k, v)
+        self.end_headers()
+
+    def do_HEAD(self):
+        path = self._file()
+        if path is not None:
+            self._headers(path, 200, os.path.getsize(path), {})
+
+    def do_GET(self):
+        path = self._file()
+        if path is None:
+            return
+        with open(path, "rb") as f:
+            data = f.read()
+        rng = self.headers.get("Range")
+        if rng:
+            a, b = rng.removeprefix("bytes=").split("-")
+            a, b = int(a), (int(b) if b else len(data) - 1)
+            body = data[a:b + 1]
+            self._headers(path, 206, len(body), {"Content-Range": f"bytes {a}-{a + len(body) - 1}/{len(data)}"})
+        else:
+            body = data
+            self._headers(path, 200, len(body), {})
+        self.server.gets.append((self.path, bool(rng)))
+        self.wfile.write(body)
+
+
+def test_a_jinx_dataset_at_an_http_url_is_found_by_probing_and_read_with_ranges(tmp_path):
+    from expected import rich, same
+
+    import torchforge
+
+    local, m = _interop("jinx-b64-multishard")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RangeHandler)
+    server.folder, server.gets = local, []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        ds = torchforge.open_dataset(url, cache_dir=tmp_path / "cache", storage_options={"allow_http": True})
+        assert len(ds) == m["n"]
+        assert server.gets and all(ranged for _, ranged in server.gets)  # opening read footers, no whole shard
+        for i, exp in enumerate(rich(m["n"], m["seed"], m["tensors"])):
+            assert same(exp, ds[i]) == "", i
+        whole = [path for path, ranged in server.gets if not ranged]
+        assert sorted(whole) == sorted(f"/{n}" for n in os.listdir(local))  # each shard and sidecar once
+    finally:
+        server.shutdown()

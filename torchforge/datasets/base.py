@@ -202,8 +202,9 @@ def _load_builtins() -> None:
 
 def open_dataset(path: str | os.PathLike, **kwargs: Any) -> ShardDataset:
     """Open a JINX, MDS or safetensors-shard folder (or file) with the matching dataset class; a URL
-    (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``file://``) opens an MDS dataset in object storage
-    (:class:`~torchforge.datasets.remote.RemoteMDSDataset`, whose options ``cache_dir``, ``cache_limit``,
+    (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``file://``) opens an MDS or JINX dataset in object
+    storage (:class:`~torchforge.datasets.remote.RemoteMDSDataset`,
+    :class:`~torchforge.datasets.remote.RemoteJinxDataset`, whose options ``cache_dir``, ``cache_limit``,
     ``mode`` and ``storage_options`` it takes).
 
     >>> ds = open_dataset("data/train")  # doctest: +SKIP
@@ -212,10 +213,10 @@ def open_dataset(path: str | os.PathLike, **kwargs: Any) -> ShardDataset:
     if "://" in path:
         from torchforge.remote.url import is_remote
 
-        if is_remote(path):  # an MDS dataset in object storage (see torchforge.datasets.remote)
-            from torchforge.datasets.remote import RemoteMDSDataset
+        if is_remote(path):  # an MDS or JINX dataset in object storage (see torchforge.datasets.remote)
+            from torchforge.datasets.remote import open_remote
 
-            return RemoteMDSDataset(path, **kwargs)
+            return open_remote(path, **kwargs)
         path = path.removeprefix("file://")
     if not os.path.exists(path):
         raise NotFoundError("no such file or folder", path=path)

@@ -18,6 +18,7 @@ from torchforge.datasets.base import ShardDataset, register_format
 from torchforge.errors import FormatError, NotFoundError, TorchforgeError
 from torchforge.formats.jinx_reader import LINE_ERRORS, JinxShard, sidecar_path
 from torchforge.lazy import lazy_sample
+from torchforge.remote.url import is_remote
 
 __all__ = ["JinxDataset", "detect"]
 
@@ -61,6 +62,17 @@ class JinxDataset(ShardDataset):
     """
 
     format_name = "jinx"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """A URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``) makes a
+        :class:`~torchforge.datasets.remote.RemoteJinxDataset` (which takes ``cache_dir``, ``cache_limit``,
+        ``cache_policy`` and ``storage_options`` too)."""
+        path = args[0] if args else kwargs.get("path_or_paths")
+        if cls is JinxDataset and isinstance(path, str) and is_remote(path):
+            from torchforge.datasets.remote import RemoteJinxDataset
+
+            return super().__new__(RemoteJinxDataset)
+        return super().__new__(cls)
 
     def __init__(self, path_or_paths: str | os.PathLike | Sequence[str | os.PathLike], lazy: bool = True,
                  split: str | None = None, on_error: str = "raise") -> None:

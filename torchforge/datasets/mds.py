@@ -22,6 +22,7 @@ from torchforge.datasets.base import ShardDataset, register_format
 from torchforge.errors import CodecError, CorruptShardError, FormatError
 from torchforge.formats.mds import INDEX_BASENAME, get_hash, hash_names
 from torchforge.formats.mds_reader import MDSShard, ShardMeta, read_index
+from torchforge.remote.url import is_remote
 
 __all__ = ["MDSDataset"]
 
@@ -56,6 +57,17 @@ class MDSDataset(ShardDataset):
     """
 
     format_name = "mds"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """A URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``) makes a
+        :class:`~torchforge.datasets.remote.RemoteMDSDataset` (whose ``cache_dir`` is the node's object
+        cache, and which takes ``cache_limit``, ``mode``, ``cache_policy`` and ``storage_options`` too)."""
+        path = args[0] if args else kwargs.get("path")
+        if cls is MDSDataset and isinstance(path, str) and is_remote(path):
+            from torchforge.datasets.remote import RemoteMDSDataset
+
+            return super().__new__(RemoteMDSDataset)
+        return super().__new__(cls)
 
     def __init__(self, path: str | os.PathLike, split: str | None = None, *, columns: list[str] | None = None,
                  lazy: bool = False, allow_unsafe_types: bool = False, cache_dir: str | None = None,

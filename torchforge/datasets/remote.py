@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
+import json
 import logging
 import operator
 import os
@@ -43,21 +44,24 @@ import tempfile
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import orjson
 
 from torchforge._limits import ensure_open_files
+from torchforge.datasets.jinx import JinxDataset
 from torchforge.datasets.mds import MDSDataset
-from torchforge.errors import CorruptShardError
+from torchforge.errors import CorruptShardError, FormatError
+from torchforge.formats.jinx_reader import JinxShard
 from torchforge.formats.mds import INDEX_BASENAME
 from torchforge.formats.mds_reader import SampleDecoder, ShardMeta
-from torchforge.remote import FetcherClient, ObjectCache, connect, is_remote
+from torchforge.remote import FetcherClient, ObjectCache, RemoteNotFoundError, connect, is_remote
 from torchforge.sizes import parse_size
 
-__all__ = ["RemoteMDSDataset", "is_remote"]
+__all__ = ["RemoteJinxDataset", "RemoteMDSDataset", "is_remote"]
 
 log = logging.getLogger(__name__)
 
@@ -68,62 +72,57 @@ RANGE_WASTE = 0.1  # bytes between merged ranges, as a share of the bytes a batc
 READERS = 4  # shards whose ranges a process reads at once (one fetcher connection each)
 
 
-class RemoteMDSDataset(MDSDataset):
-    """An MDS dataset at a URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``file://``).
+class _RemoteShards:
+    """What every dataset at a URL shares in ``mode="shards"``: this process's fetcher connections, shards
+    fetched whole into the node's cache and held in use while mapped, the least recently used maps
+    dropped under a ``cache_limit``, and prefetching in the sampler's order.
 
-    Args:
-        url: the dataset's folder URL (the one holding index.json).
-        split: a sub-folder.
-        cache_dir: the node-local cache (default: the per-user cache folder, never the data folder).
-        cache_limit: the most bytes the cache may hold (bytes or ``"50GB"``); None for no limit.
-        mode: ``"shards"`` (whole shards fetched on first use) or ``"ranges"`` (byte ranges per batch).
-        cache_policy: what the cache evicts when ``cache_limit`` needs room: ``"belady"`` (the shard needed
-            furthest in the future, as far as the fetches in flight tell) or ``"lru"``.
-        storage_options: endpoint, region, credentials, anonymous, allow_http; the standard environment
-            variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ... ``AWS_ALLOW_HTTP``) apply too.
-        **kwargs: :class:`~torchforge.datasets.mds.MDSDataset`'s options (columns, lazy, zero_copy, ...).
-
-    Raises:
-        RemoteNotFoundError: no index.json at the URL (names it).
-        RemoteError: the store refused or failed (names the URL).
+    A subclass lists each shard's stored objects (:meth:`_objects`), maps fetched files (:meth:`_map`),
+    names the maps to hold (:meth:`_maps_of`) and drops its own maps (:meth:`_drop`); ``_first`` holds
+    the first sample index of every shard (and the total last).
     """
 
-    def __init__(self, url: str, split: str | None = None, *, cache_dir: str | os.PathLike | None = None,
-                 cache_limit: int | str | None = None, mode: str = "shards", cache_policy: str = "belady",
-                 storage_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    url: str
+    mode: str
+    _first: list[int]
+
+    def _remote_setup(self, url: str, split: str | None, cache_dir: str | os.PathLike | None,
+                      cache_limit: int | str | None, mode: str, cache_policy: str,
+                      storage_options: Mapping[str, Any] | None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {list(MODES)}")
         if cache_policy not in POLICIES:
             raise ValueError(f"cache_policy={cache_policy!r} is not one of {list(POLICIES)}")
         self.cache_policy = cache_policy
-        self._held: tuple[int, OrderedDict[int, int]] | None = None  # (pid, this process's mapped shards)
-        self._plan: list[int] = []  # shards in the order of first use, as the last prefetch() was told
-        self._prefetcher: tuple[int, threading.Thread, threading.Event] | None = None  # (pid, thread, stop)
-        if mode == "ranges" and kwargs.get("lazy"):
-            raise ValueError("lazy=True needs mode='shards' (a lazy sample maps its shard)")
         self.url = url.rstrip("/") + (f"/{split.strip('/')}" if split else "")
         self.mode = mode
         self.storage_options = dict(storage_options or {})
         self.cache_limit = None if cache_limit is None else parse_size(cache_limit, option="cache_limit")
         self._remote_cache = None if cache_dir is None else os.path.abspath(os.fspath(cache_dir))
         self._client_of: tuple[Any, ...] | None = None  # (pid, connections, thread pool)
-        client = self._client()
-        index_url = f"{self.url}/{INDEX_BASENAME}"
-        info = client.head(index_url, storage_options=self.storage_options)
-        self.version = info.etag  # the pinned version of the dataset
-        index = client.fetch(index_url, info.size, etag=info.etag, storage_options=self.storage_options)
-        key = hashlib.sha256(f"{index_url}\0{info.etag}\0{info.size}".encode()).hexdigest()[:32]
-        folder = os.path.join(client.cache_dir, "datasets", key)
-        _place(index, os.path.join(folder, INDEX_BASENAME))
-        super().__init__(folder, **kwargs)
-        self._offsets: dict[int, list[int]] = {}
-        self._decoders: dict[int, Any] = {}
-        if mode == "ranges":
-            whole = [m.zip_basename for m in self.metas if m.zip_basename is not None]
-            if whole:
-                raise ValueError(f"mode='ranges' needs shards that are not compressed as a whole; {whole[0]!r} "
-                                 "is: use mode='shards'")
+        self._held: tuple[int, OrderedDict[int, int]] | None = None  # (pid, this process's mapped shards)
+        self._fetched: dict[int, list[str]] = {}  # shard -> its files in the cache, as last fetched
+        self._plan: list[int] = []  # shards in the order of first use, as the last prefetch() was told
+        self._prefetcher: tuple[int, threading.Thread, threading.Event] | None = None  # (pid, thread, stop)
 
+    # --- what a subclass supplies -------------------------------------------------------------------
+    def _objects(self, k: int) -> list[tuple[str, int, str | None, dict[str, str] | None]]:
+        """Shard ``k``'s stored objects: (URL, size, pinned ETag or None, hashes or None)."""
+        raise NotImplementedError
+
+    def _map(self, k: int, paths: list[str]) -> Any:
+        """Shard ``k`` mapped from its fetched files (raises FileNotFoundError if one is gone)."""
+        raise NotImplementedError
+
+    def _maps_of(self, shard: Any) -> list[Any]:
+        """The mmap objects of a mapped shard (held in use while any of them lives)."""
+        raise NotImplementedError
+
+    def _drop(self, k: int | None) -> None:
+        """Forget this process's map of shard ``k`` (every map with None); it goes when unused."""
+        raise NotImplementedError
+
+    # --- connections --------------------------------------------------------------------------------
     def _client(self) -> Any:
         """This process's connection to the node's fetcher (a forked worker opens its own)."""
         return self._clients()[0]
@@ -138,6 +137,226 @@ class RemoteMDSDataset(MDSDataset):
             clients = [connect(self._remote_cache)] + [FetcherClient(self._remote_cache) for _ in range(n - 1)]
             self._client_of = (os.getpid(), clients, ThreadPoolExecutor(n, thread_name_prefix="torchforge-ranges"))
         return self._client_of[1]
+
+    # --- fetching and holding -----------------------------------------------------------------------
+    def _mapped(self, k: int) -> Any:
+        """Shard ``k`` mapped, fetched into the node's cache first if absent.
+
+        A mapped shard is held in use (:meth:`ObjectCache.hold`) until its maps are gone (the last sample
+        or zero-copy value that needs them included), so no process's eviction removes a file a reader
+        has mapped: an unlinked file that is still mapped keeps its disk space, which the cache could not
+        count. With a ``cache_limit`` a process keeps at most its share of half the limit mapped (the
+        limit over twice the node's reading processes: ``LOCAL_WORLD_SIZE`` times the DataLoader's
+        workers), dropping its least recently used maps first, and holds nothing more while it waits for
+        room.
+        """
+        held = self._held_here()
+        self._make_room(held, self._stored_bytes(k))
+        cache = ObjectCache(self._client().cache_dir)
+        pins: list[int] = []
+        try:
+            for url, *_ in self._objects(k):
+                pins.append(cache.hold(url))
+            for attempt in range(3):
+                paths = self._fetched.get(k)
+                if not paths or not all(os.path.exists(p) for p in paths):  # evicted before it was held
+                    paths = self._fetched[k] = self._fetch(self._client(), k, self._next_use(k))
+                try:
+                    shard = self._map(k, paths)
+                    break
+                except FileNotFoundError:
+                    self._fetched.pop(k, None)
+                    if attempt == 2:
+                        raise
+        except BaseException:
+            for fd in pins:
+                os.close(fd)
+            raise
+        maps = [m for m in self._maps_of(shard) if m is not None]
+        release = _Release(pins, len(maps))
+        for m in maps:
+            weakref.finalize(m, release.one_gone)  # let go when the maps are gone, not before
+        held[k] = self._stored_bytes(k)
+        return shard
+
+    def _held_here(self) -> OrderedDict[int, int]:
+        """This process's mapped shards (shard -> bytes), least recently used first. A forked worker
+        drops the maps it inherited (its copies of their holds go with them)."""
+        if self._held is None or self._held[0] != os.getpid():
+            if self._held is not None:
+                self._drop(None)
+            self._held = (os.getpid(), OrderedDict())
+        return self._held[1]
+
+    def _make_room(self, held: OrderedDict[int, int], size: int) -> None:
+        if self.cache_limit is None:
+            return
+        import torch.utils.data
+
+        procs = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+        info = torch.utils.data.get_worker_info()
+        if info is not None:
+            procs *= max(1, info.num_workers)
+        budget = self.cache_limit / (2 * procs)
+        total = sum(held.values())
+        while held and total + size > budget:
+            old, nbytes = held.popitem(last=False)
+            self._drop(old)  # unmapped, and its hold released, once nothing uses it
+            total -= nbytes
+
+    def _fetch(self, client: Any, k: int, next_use: list[str]) -> list[str]:
+        """Shard ``k``'s objects in the node's cache (fetched if absent): their paths."""
+        return [client.fetch(url, size, hashes=hashes, etag=etag, cache_limit=self.cache_limit,
+                             policy=self.cache_policy, storage_options=self.storage_options, next_use=next_use)
+                for url, size, etag, hashes in self._objects(k)]
+
+    def _url_of(self, k: int) -> str:
+        """The URL of shard ``k``'s (first) stored object."""
+        return self._objects(k)[0][0]
+
+    def _stored_bytes(self, k: int) -> int:
+        """The bytes of shard ``k``'s stored objects."""
+        return sum(size for _, size, _, _ in self._objects(k))
+
+    def _next_use(self, k: int) -> list[str]:
+        """The URLs needed after shard ``k``: from the planned order when there is one, else the next
+        shards in index order."""
+        plan = self._plan
+        if k in plan:
+            at = plan.index(k) + 1
+            after = plan[at:at + NEXT_USE]
+        else:
+            after = list(range(k + 1, min(k + 1 + NEXT_USE, len(self._first) - 1)))
+        return [url for j in after for url, *_ in self._objects(j)]
+
+    # --- prefetching --------------------------------------------------------------------------------
+    def shard_order(self, indices: Any) -> list[int]:
+        """The shards that ``indices`` read, in the order of their first use."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size == 0:
+            return []
+        ks = np.searchsorted(np.asarray(self._first, dtype=np.int64), idx, side="right") - 1
+        _, first = np.unique(ks, return_index=True)
+        return ks[np.sort(first)].tolist()
+
+    def prefetch(self, indices: Any, *, wait: bool = False) -> None:
+        """Fetch the shards of ``indices`` (the samples this process's loader will read, in order) into the
+        node's cache in the order of first use, on a background thread; returns at once, or when every
+        fetch is done with ``wait=True`` (to warm a cache before training). A new call replaces the
+        previous plan. Errors are left to the read that needs the shard (it raises them, typed and naming
+        the URL). Nothing to do in ``mode="ranges"``."""
+        self.stop_prefetch()
+        if self.mode != "shards":
+            return
+        order = self.shard_order(indices)
+        self._plan = order
+        if not order:
+            return
+        stop = threading.Event()
+        thread = threading.Thread(target=self._prefetch_run, args=(order, stop), daemon=True,
+                                  name="torchforge-prefetch")
+        self._prefetcher = (os.getpid(), thread, stop)
+        thread.start()
+        if wait:
+            thread.join()
+
+    def stop_prefetch(self) -> None:
+        """Stop this process's prefetching after the fetch in flight (waits for it)."""
+        running, self._prefetcher = self._prefetcher, None
+        if running is not None and running[0] == os.getpid():
+            running[2].set()
+            running[1].join()
+
+    def _prefetch_run(self, order: list[int], stop: threading.Event) -> None:
+        budget = self.cache_limit / 2 if self.cache_limit is not None else float("inf")
+        client = FetcherClient(self._remote_cache)  # its own connection, closed when done
+        try:
+            ahead = 0
+            for pos, k in enumerate(order):
+                ahead += self._stored_bytes(k)
+                if stop.is_set() or ahead > budget:
+                    return
+                try:
+                    self._fetch(client, k, [url for j in order[pos + 1:pos + 1 + NEXT_USE]
+                                            for url, *_ in self._objects(j)])
+                except Exception as e:  # noqa: BLE001 - the reader that needs this shard raises it
+                    log.debug("prefetch of %s stopped: %s", self._url_of(k), e)
+                    return
+        finally:
+            client.close()
+
+    def _remote_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (a pickled dataset's) without this process's connections, maps and threads."""
+        state["_client_of"] = None  # a connection does not travel: the other process opens its own
+        state["_held"] = None
+        state["_prefetcher"] = None
+        return state
+
+
+class _Release:
+    """Closes the hold descriptors once ``maps`` maps are gone (at once when there are none)."""
+
+    def __init__(self, fds: list[int], maps: int) -> None:
+        self.fds, self.left = fds, maps
+        if maps == 0:
+            self.one_gone(final=True)
+
+    def one_gone(self, final: bool = False) -> None:
+        self.left -= 0 if final else 1
+        if self.left <= 0:
+            fds, self.fds = self.fds, []
+            for fd in fds:
+                os.close(fd)
+
+
+class RemoteMDSDataset(_RemoteShards, MDSDataset):
+    """An MDS dataset at a URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``file://``).
+
+    Args:
+        url: the dataset's folder URL (the one holding index.json).
+        split: a sub-folder.
+        cache_dir: the node-local cache (default: the per-user cache folder, never the data folder).
+        cache_limit: the most bytes the cache may hold (bytes or ``"50GB"``); None for no limit.
+        mode: ``"shards"`` (whole shards fetched on first use) or ``"ranges"`` (byte ranges per batch).
+        cache_policy: what the cache evicts when ``cache_limit`` needs room: ``"belady"`` (the shard needed
+            furthest in the future, as far as the fetches in flight tell) or ``"lru"``.
+        storage_options: endpoint, region, credentials, anonymous, allow_http; the standard environment
+            variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ... ``AWS_ALLOW_HTTP``) apply too.
+        **kwargs: :class:`~torchforge.datasets.mds.MDSDataset`'s options (columns, lazy, zero_copy, ...).
+            With a ``cache_limit``, ``zero_copy`` defaults to False: a sample's values are copies, so a batch
+            whose samples come from many shards does not keep every one of them mapped (held in use, which
+            the limit would have to make room for); lazy samples keep their shard mapped while they live.
+
+    Raises:
+        RemoteNotFoundError: no index.json at the URL (names it).
+        RemoteError: the store refused or failed (names the URL).
+    """
+
+    def __init__(self, url: str, split: str | None = None, *, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = None, mode: str = "shards", cache_policy: str = "belady",
+                 storage_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        if mode == "ranges" and kwargs.get("lazy"):
+            raise ValueError("lazy=True needs mode='shards' (a lazy sample maps its shard)")
+        self._remote_setup(url, split, cache_dir, cache_limit, mode, cache_policy, storage_options)
+        if self.cache_limit is not None:  # a sample's values are copies: the batch does not hold its shards
+            kwargs.setdefault("zero_copy", False)
+        client = self._client()
+        index_url = f"{self.url}/{INDEX_BASENAME}"
+        info = client.head(index_url, storage_options=self.storage_options)
+        self.version = info.etag  # the pinned version of the dataset
+        index = client.fetch(index_url, info.size, etag=info.etag, storage_options=self.storage_options)
+        key = hashlib.sha256(f"{index_url}\0{info.etag}\0{info.size}".encode()).hexdigest()[:32]
+        folder = os.path.join(client.cache_dir, "datasets", key)
+        _place(index, os.path.join(folder, INDEX_BASENAME))
+        super().__init__(folder, **kwargs)
+        self._first = list(self._bounds)
+        self._offsets: dict[int, list[int]] = {}
+        self._decoders: dict[int, Any] = {}
+        if mode == "ranges":
+            whole = [m.zip_basename for m in self.metas if m.zip_basename is not None]
+            if whole:
+                raise ValueError(f"mode='ranges' needs shards that are not compressed as a whole; {whole[0]!r} "
+                                 "is: use mode='shards'")
 
     # --- mode="ranges" ------------------------------------------------------------------------------
     def _shard_url(self, k: int) -> str:
@@ -246,15 +465,6 @@ class RemoteMDSDataset(MDSDataset):
         return ""  # fetched on first use (see _shard)
 
     def _shard(self, k: int) -> Any:
-        """Shard ``k`` mapped, fetched into the node's cache first if absent.
-
-        A mapped shard is held in use (:meth:`ObjectCache.hold`) until its map is gone (the last sample
-        or zero-copy value that needs it included), so no process's eviction removes a file a reader has
-        mapped: an unlinked file that is still mapped keeps its disk space, which the cache could not
-        count. With a ``cache_limit`` a process keeps at most its share of half the limit mapped (the
-        limit over twice the node's reading processes: ``LOCAL_WORLD_SIZE`` times the DataLoader's
-        workers), dropping its least recently used maps first, and holds nothing while it waits for room.
-        """
         if self.mode == "ranges":
             raise ValueError("mode='ranges' maps no shard: this needs mode='shards'")
         held = self._held_here()
@@ -262,152 +472,38 @@ class RemoteMDSDataset(MDSDataset):
         if shard is not None:
             held.move_to_end(k)
             return shard
-        self._make_room(held, self._stored_bytes(k))
         if not self._room:  # a map and a hold per shard
             ensure_open_files(2 * len(self.metas), "RemoteMDSDataset")
             self._room = True
-        pin = ObjectCache(self._client().cache_dir).hold(self._url_of(k))
-        try:
-            for attempt in range(3):
-                if not self._files[k] or not os.path.exists(self._files[k]):  # evicted before it was held
-                    self._files[k] = self._fetch(self._client(), k, self._next_use(k))
-                try:
-                    shard = super()._shard(k)
-                    break
-                except FileNotFoundError:
-                    self._files[k] = ""
-                    if attempt == 2:
-                        raise
-        except BaseException:
-            os.close(pin)
-            raise
-        if shard._mm is None:  # an empty shard maps nothing
-            os.close(pin)
-        else:
-            weakref.finalize(shard._mm, os.close, pin)  # let go when the map is gone, not before
-        held[k] = self._stored_bytes(k)
-        return shard
+        return self._mapped(k)
 
-    def _held_here(self) -> OrderedDict[int, int]:
-        """This process's mapped shards (shard -> bytes), least recently used first. A forked worker
-        drops the maps it inherited (its copies of their holds go with them)."""
-        if self._held is None or self._held[0] != os.getpid():
-            if self._held is not None:
-                self._shards = [None] * len(self.metas)
-                self._room = False
-            self._held = (os.getpid(), OrderedDict())
-        return self._held[1]
-
-    def _make_room(self, held: OrderedDict[int, int], size: int) -> None:
-        if self.cache_limit is None:
-            return
-        import torch.utils.data
-
-        procs = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
-        info = torch.utils.data.get_worker_info()
-        if info is not None:
-            procs *= max(1, info.num_workers)
-        budget = self.cache_limit / (2 * procs)
-        total = sum(held.values())
-        while held and total + size > budget:
-            old, nbytes = held.popitem(last=False)
-            self._shards[old] = None  # unmapped, and its hold released, once nothing uses it
-            total -= nbytes
-
-    def _fetch(self, client: Any, k: int, next_use: list[str]) -> str:
-        """Shard ``k`` in the node's cache (fetched if absent): its path."""
+    def _objects(self, k: int) -> list[tuple[str, int, str | None, dict[str, str] | None]]:
         m = self.metas[k]
-        entry = m.raw.get("zip_data" if m.zip_basename is not None else "raw_data") or {}
+        whole = m.zip_basename is not None  # the stored file is the compressed one
+        entry = m.raw.get("zip_data" if whole else "raw_data") or {}
         hashes = entry.get("hashes") if isinstance(entry, dict) else None
-        return client.fetch(self._url_of(k), self._stored_bytes(k),
-                            hashes=hashes if isinstance(hashes, dict) else None, cache_limit=self.cache_limit,
-                            policy=self.cache_policy, storage_options=self.storage_options, next_use=next_use)
+        return [(f"{self.url}/{m.zip_basename or m.raw_basename}", (m.zip_bytes or 0) if whole else m.raw_bytes,
+                 None, hashes if isinstance(hashes, dict) else None)]
 
-    def _url_of(self, k: int) -> str:
-        """The URL of shard ``k``'s stored file (the compressed one for a shard compressed as a whole)."""
-        m = self.metas[k]
-        return f"{self.url}/{m.zip_basename or m.raw_basename}"
+    def _map(self, k: int, paths: list[str]) -> Any:
+        self._files[k] = paths[0]
+        return MDSDataset._shard(self, k)
 
-    def _stored_bytes(self, k: int) -> int:
-        """The size of shard ``k``'s stored file."""
-        m = self.metas[k]
-        return (m.zip_bytes or 0) if m.zip_basename is not None else m.raw_bytes
+    def _maps_of(self, shard: Any) -> list[Any]:
+        return [shard._mm]
 
-    def _next_use(self, k: int) -> list[str]:
-        """The shards needed after shard ``k``: from the planned order when there is one, else the next ones
-        in index order."""
-        plan = self._plan
-        if k in plan:
-            at = plan.index(k) + 1
-            after = plan[at:at + NEXT_USE]
+    def _drop(self, k: int | None) -> None:
+        if k is None:
+            self._shards = [None] * len(self.metas)
+            self._room = False
         else:
-            after = list(range(k + 1, min(k + 1 + NEXT_USE, len(self.metas))))
-        return [self._url_of(j) for j in after]
-
-    # --- prefetching --------------------------------------------------------------------------------
-    def shard_order(self, indices: Any) -> list[int]:
-        """The shards that ``indices`` read, in the order of their first use."""
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        if idx.size == 0:
-            return []
-        ks = np.searchsorted(np.asarray(self._bounds, dtype=np.int64), idx, side="right") - 1
-        _, first = np.unique(ks, return_index=True)
-        return ks[np.sort(first)].tolist()
-
-    def prefetch(self, indices: Any, *, wait: bool = False) -> None:
-        """Fetch the shards of ``indices`` (the samples this process's loader will read, in order) into the
-        node's cache in the order of first use, on a background thread; returns at once, or when every
-        fetch is done with ``wait=True`` (to warm a cache before training). A new call replaces the
-        previous plan. Errors are left to the read that needs the shard (it raises them, typed and naming
-        the URL). Nothing to do in ``mode="ranges"``."""
-        self.stop_prefetch()
-        if self.mode != "shards":
-            return
-        order = self.shard_order(indices)
-        self._plan = order
-        if not order:
-            return
-        stop = threading.Event()
-        thread = threading.Thread(target=self._prefetch_run, args=(order, stop), daemon=True,
-                                  name="torchforge-prefetch")
-        self._prefetcher = (os.getpid(), thread, stop)
-        thread.start()
-        if wait:
-            thread.join()
-
-    def stop_prefetch(self) -> None:
-        """Stop this process's prefetching after the fetch in flight (waits for it)."""
-        running, self._prefetcher = self._prefetcher, None
-        if running is not None and running[0] == os.getpid():
-            running[2].set()
-            running[1].join()
-
-    def _prefetch_run(self, order: list[int], stop: threading.Event) -> None:
-        budget = self.cache_limit / 2 if self.cache_limit is not None else float("inf")
-        client = FetcherClient(self._remote_cache)  # its own connection, closed when done
-        try:
-            ahead = 0
-            for pos, k in enumerate(order):
-                ahead += self._stored_bytes(k)
-                if stop.is_set() or ahead > budget:
-                    return
-                try:
-                    self._fetch(client, k, [self._url_of(j) for j in order[pos + 1:pos + 1 + NEXT_USE]])
-                except Exception as e:  # noqa: BLE001 - the reader that needs this shard raises it
-                    log.debug("prefetch of %s stopped: %s", self._url_of(k), e)
-                    return
-        finally:
-            client.close()
+            self._shards[k] = None
 
     def shard_files(self) -> list[str]:
         return [os.path.join(self.folder, INDEX_BASENAME)] + [f for f in self._files if f]
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_client_of"] = None  # a connection does not travel: the other process opens its own
-        state["_held"] = None
-        state["_prefetcher"] = None
-        return state
+        return self._remote_state(super().__getstate__())
 
 
 def _merge(spans: list[tuple[int, int]], waste: float) -> list[tuple[int, int]]:
@@ -447,3 +543,237 @@ def _place(src: str, dst: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+class RemoteJinxDataset(_RemoteShards, JinxDataset):
+    """A JINX dataset at a URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``file://``): the folder's
+    ``shard-NNNNN.jinx`` objects and their ``.binx`` sidecars, ``mode="shards"``.
+
+    Opening lists the folder (``http(s)://``, which cannot list, is probed for ``shard-00000.jinx``,
+    ``shard-00001.jinx``, ... instead) and reads each shard's footer with one or two small range reads
+    (its sample count and split), so nothing is downloaded whole until a sample needs it. Every object's
+    ETag is pinned then: a shard overwritten at the same URL afterwards raises
+    :class:`~torchforge.remote.RemoteChangedError` naming it, never mixed into an epoch. A shard and its
+    sidecar are fetched whole into the node's cache on first use (one download per node), held in use
+    while mapped, and read as local shards; prefetching, ``cache_limit`` and ``cache_policy`` work as for
+    :class:`RemoteMDSDataset`.
+
+    Args:
+        url: the folder's URL.
+        lazy, split, on_error: as :class:`~torchforge.datasets.jinx.JinxDataset`.
+        cache_dir, cache_limit, cache_policy, storage_options: as :class:`RemoteMDSDataset`.
+        mode: ``"shards"`` only for JINX (``"ranges"`` raises ValueError: a JINX sample's line and its
+            sidecar values are two dependent reads; use MDS for ranges).
+
+    Raises:
+        RemoteNotFoundError: nothing at the URL.
+        FormatError: no ``shard-*.jinx`` objects there.
+        CorruptShardError: a shard's footer is not a JINX footer (names the URL and byte offset).
+    """
+
+    def __init__(self, url: str, lazy: bool = True, split: str | None = None, on_error: str = "raise", *,
+                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
+                 mode: str = "shards", cache_policy: str = "belady",
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        if mode == "ranges":
+            raise ValueError("mode='ranges' reads MDS datasets; a JINX dataset at a URL is read with mode='shards'")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error={on_error!r} is not one of ['raise', 'skip']")
+        self._remote_setup(url, None, cache_dir, cache_limit, mode, cache_policy, storage_options)
+        self._shards = None
+        self.lazy = lazy
+        self.split = split
+        self.on_error = on_error
+        self.skipped = 0
+        self._room = False
+        client = self._client()
+        listed = self._listing(client)
+        names = sorted(n for n in listed if n.startswith("shard-") and n.endswith(".jinx"))
+        if not names:
+            raise FormatError("folder holds no shard-*.jinx objects", path=self.url)
+        kept = []
+        for name in names:
+            u, size, etag = listed[name]
+            count, shard_split = _jinx_footer(client, u, size, etag, self.storage_options)
+            if split is not None and shard_split != split:
+                continue
+            objs: list[tuple[str, int, str | None, dict[str, str] | None]] = [(u, size, etag, None)]
+            side = listed.get(name[:-len(".jinx")] + ".binx")
+            if side is not None:
+                objs.append((side[0], side[1], side[2], None))
+            kept.append((objs, count))
+        self._remote_objs = [objs for objs, _ in kept]
+        self._counts = [count for _, count in kept]
+        self._all_paths = [listed[n][0] for n in names]
+        self._paths = [objs[0][0] for objs in self._remote_objs]
+        self._starts, self._ends, total = [], [], 0
+        for c in self._counts:
+            self._starts.append(total)
+            total += c
+            self._ends.append(total)
+        self._n = total
+        self._first = [*self._starts, total]
+        self._jshards: list[JinxShard | None] = [None] * len(self._remote_objs)
+        pinned = json.dumps(sorted((u, n, e) for u, n, e in listed.values()))
+        self.version = hashlib.sha256(pinned.encode()).hexdigest()[:32]  # every object's ETag and size
+        self._folder = os.path.join(client.cache_dir, "datasets", self.version)
+        os.makedirs(self._folder, exist_ok=True)
+
+    def _listing(self, client: Any) -> dict[str, tuple[str, int, str | None]]:
+        """The folder's top-level objects: name -> (URL, size, ETag)."""
+        if self.url.split("://", 1)[0] in ("http", "https"):
+            return self._probe(client)
+        out = {}
+        for u, size, etag in client.list_versions(self.url + "/", storage_options=self.storage_options):
+            name = u[len(self.url) + 1:]
+            if "/" not in name:
+                out[name] = (u, size, etag)
+        if not out:
+            raise RemoteNotFoundError("no objects below this URL", url=self.url)
+        return out
+
+    def _probe(self, client: Any) -> dict[str, tuple[str, int, str | None]]:
+        """An HTTP folder cannot be listed: ``shard-00000.jinx``, ``shard-00001.jinx``, ... and their
+        sidecars, until the first shard missing."""
+        out: dict[str, tuple[str, int, str | None]] = {}
+        for k in itertools.count():
+            for name in (f"shard-{k:05d}.jinx", f"shard-{k:05d}.binx"):
+                u = f"{self.url}/{name}"
+                try:
+                    info = client.head(u, storage_options=self.storage_options)
+                except RemoteNotFoundError:
+                    if name.endswith(".jinx"):
+                        if not out:
+                            raise
+                        return out
+                    continue
+                out[name] = (u, info.size, info.etag)
+        raise AssertionError("unreachable")
+
+    # --- _RemoteShards ------------------------------------------------------------------------------
+    def _objects(self, k: int) -> list[tuple[str, int, str | None, dict[str, str] | None]]:
+        return self._remote_objs[k]
+
+    def _map(self, k: int, paths: list[str]) -> Any:
+        objs = self._remote_objs[k]
+        shard = JinxShard(paths[0], bin_path=paths[1] if len(paths) > 1 else paths[0] + ".no-sidecar")
+        if len(paths) > 1:
+            shard._open_sidecar(0)  # mapped now, so that its map is held with the shard's
+        if shard.num_samples != self._counts[k] or not self._wanted(shard):
+            raise FormatError(f"the shard holds {shard.num_samples} samples, its footer said {self._counts[k]} "
+                              "when the dataset was opened", path=objs[0][0])
+        shard.path = objs[0][0]  # errors from now on name the URL
+        shard.bin_path = objs[1][0] if len(objs) > 1 else os.path.splitext(objs[0][0])[0] + ".binx"
+        self._jshards[k] = shard
+        return shard
+
+    def _maps_of(self, shard: Any) -> list[Any]:
+        return [shard._mm, shard._bin_mm]
+
+    def _drop(self, k: int | None) -> None:
+        if k is None:
+            self._jshards = [None] * len(self._remote_objs)
+            self._set_shards(None)
+            self._room = False
+        else:
+            self._jshards[k] = None
+
+    # --- JinxDataset --------------------------------------------------------------------------------
+    def _shard(self, k: int) -> JinxShard:
+        held = self._held_here()
+        shard = self._jshards[k]
+        if shard is not None:
+            held.move_to_end(k)
+            return shard
+        if not self._room:  # a map per shard and sidecar, and a hold for each
+            ensure_open_files(4 * len(self._remote_objs), "RemoteJinxDataset")
+            self._room = True
+        return self._mapped(k)
+
+    def _open(self) -> Any:
+        shards = _LazyShards(self)
+        self._set_shards(shards)
+        return shards
+
+    def shard_files(self) -> list[str]:
+        return [p for k in sorted(self._fetched) for p in self._fetched[k]]
+
+    @property
+    def root(self) -> str:
+        """The dataset's folder in the node's cache (key caches go there)."""
+        return self._folder
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self._remote_state(super().__getstate__())
+        state["_jshards"] = [None] * len(self._remote_objs)
+        return state
+
+
+class _LazyShards(Sequence):
+    """A remote JINX dataset's shards, each fetched and mapped on first access."""
+
+    def __init__(self, ds: RemoteJinxDataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds._remote_objs)
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        return self.ds._jshards[k] or self.ds._shard(k)
+
+
+def _jinx_footer(client: Any, url: str, size: int, etag: str | None,
+                 storage_options: Mapping[str, Any]) -> tuple[int, str | None]:
+    """A remote JINX shard's sample count and split, from its footer: one range read of the file's tail
+    (a second one when the footer is longer than the tail)."""
+    tail = min(size, 8 << 10)
+    (data,) = client.get_ranges(url, [(size - tail, size)], etag=etag, storage_options=storage_options)
+    base = size - tail
+    if len(data) < 2 or data[-1:] != b"\n":
+        raise CorruptShardError("the file does not end with the footer-offset line (truncated or not a JINX "
+                                "shard)", path=url, offset=size)
+    nl = data.rfind(b"\n", 0, len(data) - 1)
+    digits = data[nl + 1:-1]
+    if nl < 0 or not digits.isdigit():
+        raise CorruptShardError(f"last line {digits[-24:]!r} is not the footer's byte offset (truncated or not "
+                                "a JINX shard)", path=url, offset=base + max(nl + 1, 0))
+    foot = int(digits)
+    if foot >= base + nl:
+        raise CorruptShardError(f"footer offset {foot} is not before the last line", path=url, offset=base + nl + 1)
+    if foot >= base:
+        raw = data[foot - base:nl]
+    else:
+        (raw,) = client.get_ranges(url, [(foot, base + nl)], etag=etag, storage_options=storage_options)
+    try:
+        footer = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise CorruptShardError(f"footer is not valid JSON ({e})", path=url, offset=foot) from None
+    n = footer.get("num_samples") if isinstance(footer, dict) else None
+    if type(n) is not int or n < 0:
+        raise CorruptShardError(f"footer num_samples={n!r} is not a non-negative integer", path=url, offset=foot)
+    split = footer.get("split")
+    return n, split if isinstance(split, str) else None
+
+
+def open_remote(url: str, **kwargs: Any) -> Any:
+    """The dataset at ``url``: MDS when the folder (or its ``split`` sub-folder) holds index.json, else
+    JINX (``shard-*.jinx`` objects, ``split`` selecting by footer as for local JINX)."""
+    split = kwargs.get("split")
+    folder = url.rstrip("/") + (f"/{split.strip('/')}" if split else "")
+    client = connect(None if kwargs.get("cache_dir") is None else os.path.abspath(os.fspath(kwargs["cache_dir"])))
+    try:
+        client.head(f"{folder}/{INDEX_BASENAME}", storage_options=kwargs.get("storage_options"))
+    except RemoteNotFoundError:
+        try:
+            return RemoteJinxDataset(url, **kwargs)
+        except RemoteNotFoundError:
+            raise RemoteNotFoundError("no dataset here: no index.json (MDS) and no objects below the folder "
+                                      "(JINX)", url=f"{folder}/{INDEX_BASENAME}") from None
+        except CorruptShardError:
+            raise
+        except FormatError:
+            raise FormatError("not a dataset at this URL: no index.json (MDS) and no shard-*.jinx objects (JINX); "
+                              "safetensors shards at a URL are not read yet", path=url) from None
+    return RemoteMDSDataset(url, **kwargs)

@@ -78,6 +78,7 @@ class JinxShard:
 
     Args:
         path: the ``.jinx`` file.
+        bin_path: its ``.binx`` sidecar (default: beside it, as MLDataForge names it).
 
     Attributes:
         num_samples: samples in the shard (as the footer says, checked against the index).
@@ -85,9 +86,9 @@ class JinxShard:
         split: the footer's split name, or None.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, bin_path: str | os.PathLike | None = None) -> None:
         self.path = os.fspath(path)
-        self.bin_path = sidecar_path(self.path)
+        self.bin_path = sidecar_path(self.path) if bin_path is None else os.fspath(bin_path)
         self.plans: dict[str, tuple[tuple[str, Decoder], ...]] = {}  # logical key -> raw keys, decoders
         self._decoders: dict[str, Decoder] = {}
         try:

@@ -258,9 +258,10 @@ class ObjectCache:
                         break
                     used -= self._evict(victim)
                 if used + size > self.limit:
-                    raise _Busy(f"cache_limit={self.limit} bytes: {used} are held by objects in use "
-                                         f"or downloading, no room for {size} more; raise cache_limit or "
-                                         f"use fewer objects at once", url=url)
+                    raise _Busy(f"cache_limit={self.limit} bytes: {used} are held by objects in use (mapped by "
+                                f"readers: lazy samples or zero-copy values still alive keep theirs) or "
+                                f"downloading, no room for {size} more; raise cache_limit, use fewer DataLoader "
+                                f"workers, or read with mode='ranges'", url=url)
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 if size:

@@ -190,11 +190,17 @@ class FetcherClient:
             RemoteAccessError: listing was refused.
             RemoteNotFoundError: the bucket or container does not exist.
         """
+        return [(u, size) for u, size, _ in self.list_versions(url, storage_options=storage_options)]
+
+    def list_versions(self, url: str, *,
+                      storage_options: Mapping[str, Any] | None = None) -> list[tuple[str, int, str | None]]:
+        """Like :meth:`list_objects`, with each object's ETag (None where the store gives none):
+        ``(URL, size, ETag)``, sorted."""
         spec, prefix = _folder(url, storage_options)
         root = url.rstrip("/")
         objects = self._call(ListRequest(url, spec, prefix))
         cut = len(prefix) + 1 if prefix else 0
-        return [(f"{root}/{key[cut:]}", size) for key, size in objects]
+        return [(f"{root}/{key[cut:]}", size, etag) for key, size, etag in objects]
 
     def delete(self, urls: Sequence[str], *, storage_options: Mapping[str, Any] | None = None) -> None:
         """Delete the objects ``urls`` (one request per store where it allows bulk deletes); an object

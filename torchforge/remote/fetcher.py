@@ -305,13 +305,13 @@ class _Server:
         res = _retrying(req.url, once)
         return ObjectInfo(req.size, res.get("e_tag"))
 
-    def list(self, req: ListRequest) -> list[tuple[str, int]]:
+    def list(self, req: ListRequest) -> list[tuple[str, int, str | None]]:
         import obstore
 
         store = self.store(req.store)
         prefix = req.prefix.strip("/") or None
         metas = _retrying(req.url, lambda: obstore.list(store, prefix=prefix).collect())
-        return sorted((str(m["path"]), int(m["size"])) for m in metas)
+        return sorted((str(m["path"]), int(m["size"]), m.get("e_tag")) for m in metas)
 
     def delete(self, req: DeleteRequest) -> None:
         import obstore
