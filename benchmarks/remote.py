@@ -30,9 +30,9 @@ py1e shuffles shards, then spreads each shard's samples over a window of ``shuff
 Measured per run: time to first batch (from building the dataset to the first batch in hand), samples/s of
 the first (cold) and second (cached) epoch (the first includes building the dataset), GETs and bytes
 counted by the server per epoch, and the peak bytes of the cache folder (its files' sizes summed every 10 ms).
-torchforge's ``cache_limit`` evicts a shard that a worker still has memory-mapped by unlinking it (issue 13:
-no eviction protection yet); such a file still holds disk until unmapped, so for torchforge the peak with
-those files (from the workers' /proc/PID/maps, every ~100 ms) is printed too.
+A file evicted while a process still maps it would hold disk without being in the folder: the peak
+with such files (from the processes' /proc/PID/maps, every ~100 ms) is printed too; torchforge holds a
+mapped shard in use, so for it the two peaks should agree.
 
 Then the same with ``cache_limit`` at 1/4 of the dataset (raised to Streaming's minimum, 4 x the largest
 shard, if 1/4 is below it; the same limit for everybody), two epochs each: bytes refetched = bytes fetched

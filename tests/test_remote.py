@@ -1039,3 +1039,88 @@ def test_a_jinx_dataset_at_an_http_url_is_found_by_probing_and_read_with_ranges(
         assert sorted(whole) == sorted(f"/{n}" for n in os.listdir(local))  # each shard and sidecar once
     finally:
         server.shutdown()
+
+
+def test_safetensors_shards_at_an_s3_url_read_like_local_ones_and_a_bad_header_names_the_url(env, tmp_path):
+    import torch
+
+    import torchforge
+    from torchforge.datasets.remote import RemoteSafetensorsDataset
+    from torchforge.datasets.safetensors import SafetensorsShardWriter
+    from torchforge.errors import SafetensorsError
+
+    _client, proxy, put = env
+    local = tmp_path / "st"
+    g = torch.Generator().manual_seed(5)
+    with SafetensorsShardWriter(local, samples_per_shard=7) as w:
+        for i in range(40):
+            w.write({"ids": torch.randint(0, 9, (300 + i % 5,), generator=g), "y": torch.tensor(float(i))})
+    expected = torchforge.SafetensorsDataset(str(local))
+    total = _upload_folder(put, str(local), "st/a")
+    url = f"s3://{BUCKET}/st/a"
+    proxy.reset()
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    assert isinstance(ds, RemoteSafetensorsDataset) and len(ds) == 40 and ds.columns == ["ids", "y"]
+    assert proxy.bytes_sent < total / 4  # the listing and the headers, not the shards
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=True, num_workers=2)
+    seen = 0
+    for s in loader:
+        i = int(s["y"])
+        assert torch.equal(s["ids"], expected[i]["ids"])
+        seen += 1
+    assert seen == 40
+    names = sorted(os.listdir(local))
+    assert all(proxy.gets_of(f"st/a/{n}") >= 1 for n in names)
+    direct = torchforge.SafetensorsDataset(url, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    assert isinstance(direct, RemoteSafetensorsDataset) and torch.equal(direct[39]["ids"], expected[39]["ids"])
+    with open(local / names[2], "rb") as f:
+        data = bytearray(f.read())
+    data[12] ^= 0x40  # a bit flipped inside the JSON header
+    put(f"st/a/{names[2]}", bytes(data))
+    with pytest.raises(SafetensorsError, match=names[2]) as e:
+        torchforge.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    assert "s3://" in str(e.value)
+
+
+def test_cli_inspect_and_verify_a_jinx_url_and_name_a_damaged_shard(env, tmp_path, capsys):
+    from torchforge.cli import main
+
+    _client, proxy, put = env
+    local, m = _interop("jinx-b64-zst-binx")
+    _upload_folder(put, local, "jx/cli")
+    url = f"s3://{BUCKET}/jx/cli"
+    so = ["--storage-option", f"endpoint={proxy.url}"]
+    assert main(["inspect", url, "--json", "--cache-dir", str(tmp_path / "c1"), *so]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["format"] == "jinx" and info["samples"] == m["n"] and info["files"] == 2
+    assert {s["file"] for s in info["shards"]} == {"shard-00000.jinx", "shard-00000.binx"}
+    assert main(["verify", url, "--cache-dir", str(tmp_path / "c2"), *so]) == 0
+    assert f"{m['n']} samples decoded, 0 problems" in capsys.readouterr().out
+    with open(os.path.join(local, "shard-00000.jinx"), "rb") as f:
+        shard = bytearray(f.read())
+    shard[1:4] = b"\x00\xff\x00"  # the first sample's line is no longer JSON (JINX keeps no checksums)
+    put("jx/cli/shard-00000.jinx", bytes(shard))
+    assert main(["verify", url, "--cache-dir", str(tmp_path / "c3"), *so]) == 1
+    out = capsys.readouterr().out
+    assert f"DAMAGED sample 0: {url}/shard-00000.jinx: byte 0:" in out  # the URL and the byte offset
+
+
+def test_a_batch_under_a_cache_limit_maps_each_shard_once_and_thrashing_is_reported(env, tmp_path):
+    import torchforge
+
+    _client, proxy, put = env
+    rows = _upload_mds(tmp_path, put, "ds/batch", n=60)
+    url = f"s3://{BUCKET}/ds/batch"
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "cache", cache_limit=2 * 8192 + 4096,
+                                 storage_options=_via(proxy))
+    shards = len(ds.metas)
+    assert shards >= 4
+    batch = [int(i) for i in np.random.default_rng(0).permutation(len(rows))[:24]]
+    touched = len({ds._locate(i)[0] for i in batch})
+    got = ds.__getitems__(batch)
+    assert [int(s["id"]) for s in got] == batch and all(bytes(s["blob"]) == rows[s["id"]]["blob"] for s in got)
+    assert ds._maps_made == touched  # once per shard touched, though the batch hops between them
+    order = [int(i) for i in np.random.default_rng(1).integers(0, len(rows), 12 * shards)]
+    with pytest.warns(RuntimeWarning, match="mode='ranges'"):  # one sample at a time, at random: maps again and again
+        ids = [int(ds[i]["id"]) for i in order]
+    assert ids == order

@@ -18,7 +18,9 @@ def _jinx_details(ds: Any) -> dict[str, Any]:
                   "compress_ratio", "binary_threshold", "ext_sep", "split"):
             if k in foot:
                 out[k] = foot[k]
-        out["splits"] = sorted({str(s.split) for s in shards})
+        # a dataset at a URL knows its shards' splits from their footers (without fetching every shard)
+        splits = getattr(ds, "shard_splits", None)
+        out["splits"] = sorted({str(s) for s in splits} if splits is not None else {str(s.split) for s in shards})
     if len(ds):
         raw = getattr(ds[0], "raw_keys", None)
         if callable(raw):  # stored keys name each value's encoding: image.raw.zst.bin

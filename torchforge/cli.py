@@ -146,16 +146,16 @@ def _overlap(src: str, dst: str) -> str:
 
 
 def _remote_info(url: str, args: argparse.Namespace) -> dict[str, Any]:
-    """What ``inspect`` shows of a dataset at a URL: its index.json and its first sample (one shard or
-    one range read); the shard sizes are the index's."""
+    """What ``inspect`` shows of a dataset at a URL: its index (MDS's index.json, JINX footers, safetensors
+    headers, read when it opened) and its first sample (one shard or one range read); the shard sizes are
+    the store's."""
     ds = _open(url, args)
-    stored = [(m.zip_basename or m.raw_basename, (m.zip_bytes or 0) if m.zip_basename else m.raw_bytes)
-              for m in ds.metas]
+    stored = [(u.rsplit("/", 1)[-1], size) for k in range(len(ds._first) - 1) for u, size, _, _ in ds._objects(k)]
     info: dict[str, Any] = {
         "path": url,
         "format": ds.format_name,
         "samples": len(ds),
-        "files": len(stored) + 1,
+        "files": len(stored) + (ds.format_name == "mds"),  # and index.json
         "bytes": sum(size for _, size in stored),
         "version": ds.version,
         "mode": ds.mode,
@@ -266,10 +266,10 @@ def _verify_remote(url: str, remote: dict[str, Any]) -> tuple[int, list[str]]:
         return 0, [str(e)]
     problems: list[str] = []
     checked = first = 0
-    for k, m in enumerate(ds.metas):
-        end = first + m.samples
+    for k in range(len(ds._first) - 1):
+        end = ds._first[k + 1]
         try:
-            ds._shard(k)  # fetched whole: size and index.json's hashes checked
+            ds._shard(k)  # fetched whole: size (and the hashes index.json records) checked
         except TorchforgeError as e:
             problems.append(str(e))
             first = end

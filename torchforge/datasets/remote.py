@@ -1,6 +1,6 @@
-"""MDS datasets in object storage, ``mode="shards"``: ``open_dataset("s3://bucket/train")``.
+"""Datasets in object storage: ``open_dataset("s3://bucket/train")`` (MDS, JINX or safetensors shards).
 
-``index.json`` is read when the dataset is opened and pins the version the run reads: its ETag keys the
+MDS (:class:`RemoteMDSDataset`): ``index.json`` is read when the dataset is opened and pins the version the run reads: its ETag keys the
 node-local cache, so a dataset overwritten at the same URL is a new cache entry, never mixed into the
 files of the old one. Each shard is fetched whole into the node-local cache on its first use, through
 the node's fetcher process (:mod:`torchforge.remote`: one download per shard per node whatever the
@@ -23,11 +23,14 @@ process, each request carrying the shards needed next (what Belady's eviction ru
 (a :class:`~torchforge.sampler.GlobalSampler`, whose ``indices()`` is pure); with torch's loader, call it
 yourself. With a ``cache_limit`` it runs at most half the limit ahead.
 
-A mapped shard is held in use until its map is gone (see ``_shard``): no eviction removes a file a
-reader maps, so the disk the cache uses is the files it can count. With a ``cache_limit`` each process
-keeps at most its share of half the limit mapped.
+A mapped shard is held in use until its map is gone (see ``_RemoteShards._mapped``): no eviction
+removes a file a reader maps, so the disk the cache uses is the files it can count. With a
+``cache_limit`` each process keeps at most its share of half the limit mapped.
 
-Not yet here (issue 13): JINX and safetensors datasets at a URL.
+JINX (:class:`RemoteJinxDataset`) and safetensors column shards (:class:`RemoteSafetensorsDataset`) have
+no index of the whole dataset: the folder is listed (probed over ``http(s)://``), each shard's footer or
+header is read with small range reads, and every object's ETag is pinned; shards (and JINX sidecars) are
+then fetched whole on first use like MDS shards. They read in ``mode="shards"`` only.
 """
 from __future__ import annotations
 
@@ -36,12 +39,14 @@ import hashlib
 import itertools
 import json
 import logging
+import mmap
 import operator
 import os
 import shutil
 import struct
 import tempfile
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -54,14 +59,16 @@ import orjson
 from torchforge._limits import ensure_open_files
 from torchforge.datasets.jinx import JinxDataset
 from torchforge.datasets.mds import MDSDataset
-from torchforge.errors import CorruptShardError, FormatError
+from torchforge.datasets.safetensors import SafetensorsDataset
+from torchforge.errors import CorruptShardError, FormatError, SafetensorsError
 from torchforge.formats.jinx_reader import JinxShard
 from torchforge.formats.mds import INDEX_BASENAME
 from torchforge.formats.mds_reader import SampleDecoder, ShardMeta
+from torchforge.formats.safetensors import MAX_HEADER_SIZE, SafetensorsFile, parse_header
 from torchforge.remote import FetcherClient, ObjectCache, RemoteNotFoundError, connect, is_remote
 from torchforge.sizes import parse_size
 
-__all__ = ["RemoteJinxDataset", "RemoteMDSDataset", "is_remote"]
+__all__ = ["RemoteJinxDataset", "RemoteMDSDataset", "RemoteSafetensorsDataset", "is_remote"]
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +84,9 @@ class _RemoteShards:
     fetched whole into the node's cache and held in use while mapped, the least recently used maps
     dropped under a ``cache_limit``, and prefetching in the sampler's order.
 
-    A subclass lists each shard's stored objects (:meth:`_objects`), maps fetched files (:meth:`_map`),
-    names the maps to hold (:meth:`_maps_of`) and drops its own maps (:meth:`_drop`); ``_first`` holds
-    the first sample index of every shard (and the total last).
+    A subclass lists each shard's stored objects (:meth:`_objects`), maps fetched files (:meth:`_map`)
+    and drops its own maps (:meth:`_drop`); ``_first`` holds the first sample index of every shard (and
+    the total last).
     """
 
     url: str
@@ -110,12 +117,9 @@ class _RemoteShards:
         """Shard ``k``'s stored objects: (URL, size, pinned ETag or None, hashes or None)."""
         raise NotImplementedError
 
-    def _map(self, k: int, paths: list[str]) -> Any:
-        """Shard ``k`` mapped from its fetched files (raises FileNotFoundError if one is gone)."""
-        raise NotImplementedError
-
-    def _maps_of(self, shard: Any) -> list[Any]:
-        """The mmap objects of a mapped shard (held in use while any of them lives)."""
+    def _map(self, k: int, paths: list[str]) -> tuple[Any, list[Any]]:
+        """Shard ``k`` mapped from its fetched files (raises FileNotFoundError if one is gone), and its
+        mmap objects (the shard is held in use while any of them lives)."""
         raise NotImplementedError
 
     def _drop(self, k: int | None) -> None:
@@ -137,6 +141,37 @@ class _RemoteShards:
             clients = [connect(self._remote_cache)] + [FetcherClient(self._remote_cache) for _ in range(n - 1)]
             self._client_of = (os.getpid(), clients, ThreadPoolExecutor(n, thread_name_prefix="torchforge-ranges"))
         return self._client_of[1]
+
+    def _listing(self, client: Any, suffixes: tuple[str, ...]) -> dict[str, tuple[str, int, str | None]]:
+        """The folder's top-level objects: name -> (URL, size, ETag). An ``http(s)://`` folder cannot be
+        listed: ``shard-00000<suffix>``, ``shard-00001<suffix>``, ... are looked for instead (the first
+        suffix names the shard, the others its companions), until the first shard missing."""
+        if self.url.split("://", 1)[0] in ("http", "https"):
+            return self._probe(client, suffixes)
+        out = {}
+        for u, size, etag in client.list_versions(self.url + "/", storage_options=self.storage_options):
+            name = u[len(self.url) + 1:]
+            if "/" not in name:
+                out[name] = (u, size, etag)
+        if not out:
+            raise RemoteNotFoundError("no objects below this URL", url=self.url)
+        return out
+
+    def _probe(self, client: Any, suffixes: tuple[str, ...]) -> dict[str, tuple[str, int, str | None]]:
+        out: dict[str, tuple[str, int, str | None]] = {}
+        for k in itertools.count():
+            for name in (f"shard-{k:05d}{suffix}" for suffix in suffixes):
+                u = f"{self.url}/{name}"
+                try:
+                    info = client.head(u, storage_options=self.storage_options)
+                except RemoteNotFoundError:
+                    if name.endswith(suffixes[0]):
+                        if not out:
+                            raise
+                        return out
+                    continue
+                out[name] = (u, info.size, info.etag)
+        raise AssertionError("unreachable")
 
     # --- fetching and holding -----------------------------------------------------------------------
     def _mapped(self, k: int) -> Any:
@@ -162,7 +197,7 @@ class _RemoteShards:
                 if not paths or not all(os.path.exists(p) for p in paths):  # evicted before it was held
                     paths = self._fetched[k] = self._fetch(self._client(), k, self._next_use(k))
                 try:
-                    shard = self._map(k, paths)
+                    shard, maps = self._map(k, paths)
                     break
                 except FileNotFoundError:
                     self._fetched.pop(k, None)
@@ -172,11 +207,19 @@ class _RemoteShards:
             for fd in pins:
                 os.close(fd)
             raise
-        maps = [m for m in self._maps_of(shard) if m is not None]
+        maps = [m for m in maps if isinstance(m, mmap.mmap)]
         release = _Release(pins, len(maps))
         for m in maps:
             weakref.finalize(m, release.one_gone)  # let go when the maps are gone, not before
         held[k] = self._stored_bytes(k)
+        self._maps_made += 1
+        shards = len(self._first) - 1
+        if self.cache_limit is not None and self._maps_made == 8 * shards + 1:
+            warnings.warn(f"{self.url}: this process mapped its shards {self._maps_made - 1} times ({shards} shards): "
+                          f"cache_limit={self.cache_limit} bytes is small for this read order, and whole shards are "
+                          "fetched again and again for a few samples each. mode='ranges' reads only the samples' "
+                          "bytes; GlobalSampler(bucket_size=<samples per shard>) keeps a shard's samples together",
+                          RuntimeWarning, stacklevel=2)
         return shard
 
     def _held_here(self) -> OrderedDict[int, int]:
@@ -186,6 +229,7 @@ class _RemoteShards:
             if self._held is not None:
                 self._drop(None)
             self._held = (os.getpid(), OrderedDict())
+            self._maps_made = 0
         return self._held[1]
 
     def _make_room(self, held: OrderedDict[int, int], size: int) -> None:
@@ -445,7 +489,16 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
     def __getitems__(self, indices: list[int]) -> list[Any]:
         """A batch of samples (torch's DataLoader calls this with a batch's indices)."""
         if self.mode != "ranges":
-            return [self[i] for i in indices]
+            if self.cache_limit is None or len(indices) < 2:
+                return [self[i] for i in indices]
+            # under a cache_limit a process keeps few shards mapped: read the batch shard by shard, so each
+            # shard it touches is mapped once for the batch, not once per sample
+            n, bounds = len(self), self._bounds
+            key = [bisect.bisect_right(bounds, i + n if i < 0 else i) for i in map(operator.index, indices)]
+            out: list[Any] = [None] * len(indices)
+            for pos in sorted(range(len(indices)), key=key.__getitem__):
+                out[pos] = self[indices[pos]]
+            return out
         n = len(self)
         idx = [operator.index(i) for i in indices]
         for i in idx:
@@ -485,12 +538,10 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         return [(f"{self.url}/{m.zip_basename or m.raw_basename}", (m.zip_bytes or 0) if whole else m.raw_bytes,
                  None, hashes if isinstance(hashes, dict) else None)]
 
-    def _map(self, k: int, paths: list[str]) -> Any:
+    def _map(self, k: int, paths: list[str]) -> tuple[Any, list[Any]]:
         self._files[k] = paths[0]
-        return MDSDataset._shard(self, k)
-
-    def _maps_of(self, shard: Any) -> list[Any]:
-        return [shard._mm]
+        shard = MDSDataset._shard(self, k)
+        return shard, [shard._mm]
 
     def _drop(self, k: int | None) -> None:
         if k is None:
@@ -587,7 +638,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         self.skipped = 0
         self._room = False
         client = self._client()
-        listed = self._listing(client)
+        listed = self._listing(client, (".jinx", ".binx"))
         names = sorted(n for n in listed if n.startswith("shard-") and n.endswith(".jinx"))
         if not names:
             raise FormatError("folder holds no shard-*.jinx objects", path=self.url)
@@ -601,9 +652,10 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             side = listed.get(name[:-len(".jinx")] + ".binx")
             if side is not None:
                 objs.append((side[0], side[1], side[2], None))
-            kept.append((objs, count))
-        self._remote_objs = [objs for objs, _ in kept]
-        self._counts = [count for _, count in kept]
+            kept.append((objs, count, shard_split))
+        self.shard_splits = [shard_split for _, _, shard_split in kept]  # from the footers
+        self._remote_objs = [objs for objs, _, _ in kept]
+        self._counts = [count for _, count, _ in kept]
         self._all_paths = [listed[n][0] for n in names]
         self._paths = [objs[0][0] for objs in self._remote_objs]
         self._starts, self._ends, total = [], [], 0
@@ -619,42 +671,11 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         self._folder = os.path.join(client.cache_dir, "datasets", self.version)
         os.makedirs(self._folder, exist_ok=True)
 
-    def _listing(self, client: Any) -> dict[str, tuple[str, int, str | None]]:
-        """The folder's top-level objects: name -> (URL, size, ETag)."""
-        if self.url.split("://", 1)[0] in ("http", "https"):
-            return self._probe(client)
-        out = {}
-        for u, size, etag in client.list_versions(self.url + "/", storage_options=self.storage_options):
-            name = u[len(self.url) + 1:]
-            if "/" not in name:
-                out[name] = (u, size, etag)
-        if not out:
-            raise RemoteNotFoundError("no objects below this URL", url=self.url)
-        return out
-
-    def _probe(self, client: Any) -> dict[str, tuple[str, int, str | None]]:
-        """An HTTP folder cannot be listed: ``shard-00000.jinx``, ``shard-00001.jinx``, ... and their
-        sidecars, until the first shard missing."""
-        out: dict[str, tuple[str, int, str | None]] = {}
-        for k in itertools.count():
-            for name in (f"shard-{k:05d}.jinx", f"shard-{k:05d}.binx"):
-                u = f"{self.url}/{name}"
-                try:
-                    info = client.head(u, storage_options=self.storage_options)
-                except RemoteNotFoundError:
-                    if name.endswith(".jinx"):
-                        if not out:
-                            raise
-                        return out
-                    continue
-                out[name] = (u, info.size, info.etag)
-        raise AssertionError("unreachable")
-
     # --- _RemoteShards ------------------------------------------------------------------------------
     def _objects(self, k: int) -> list[tuple[str, int, str | None, dict[str, str] | None]]:
         return self._remote_objs[k]
 
-    def _map(self, k: int, paths: list[str]) -> Any:
+    def _map(self, k: int, paths: list[str]) -> tuple[Any, list[Any]]:
         objs = self._remote_objs[k]
         shard = JinxShard(paths[0], bin_path=paths[1] if len(paths) > 1 else paths[0] + ".no-sidecar")
         if len(paths) > 1:
@@ -665,10 +686,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         shard.path = objs[0][0]  # errors from now on name the URL
         shard.bin_path = objs[1][0] if len(objs) > 1 else os.path.splitext(objs[0][0])[0] + ".binx"
         self._jshards[k] = shard
-        return shard
-
-    def _maps_of(self, shard: Any) -> list[Any]:
-        return [shard._mm, shard._bin_mm]
+        return shard, [shard._mm, shard._bin_mm]
 
     def _drop(self, k: int | None) -> None:
         if k is None:
@@ -707,6 +725,87 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         state = self._remote_state(super().__getstate__())
         state["_jshards"] = [None] * len(self._remote_objs)
         return state
+
+
+class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
+    """A folder of safetensors column shards at a URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``),
+    ``mode="shards"``.
+
+    Opening lists the folder (an ``http(s)://`` one is probed for ``shard-00000.safetensors``, ...) and
+    reads each shard's header with two small range reads (its columns and sample count), pinning every
+    object's ETag; a shard is fetched whole into the node's cache on first use, held in use while mapped
+    and read as a local shard (zero-copy views into its map: a sample keeps its shard mapped while it
+    lives). ``cache_limit``, ``cache_policy`` and prefetching work as for :class:`RemoteMDSDataset`.
+
+    Args:
+        url: the folder's URL.
+        columns: as :class:`~torchforge.datasets.safetensors.SafetensorsDataset`.
+        cache_dir, cache_limit, cache_policy, storage_options: as :class:`RemoteMDSDataset`.
+        mode: ``"shards"`` only (``"ranges"`` raises ValueError).
+
+    Raises:
+        RemoteNotFoundError: nothing at the URL.
+        FormatError: no ``*.safetensors`` objects there.
+        SafetensorsError, CorruptShardError: a shard's header is invalid (names the URL and offset).
+    """
+
+    def __init__(self, url: str, *, columns: Any = None, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = None, mode: str = "shards", cache_policy: str = "belady",
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        if mode == "ranges":
+            raise ValueError("mode='ranges' reads MDS datasets; safetensors shards at a URL are read with "
+                             "mode='shards'")
+        self._remote_setup(url, None, cache_dir, cache_limit, mode, cache_policy, storage_options)
+        client = self._client()
+        listed = self._listing(client, (".safetensors",))
+        names = sorted(n for n in listed if n.endswith(".safetensors") and not n.startswith("."))
+        if not names:
+            raise FormatError("folder holds no *.safetensors objects", path=self.url)
+        self.path = self.url
+        self._cols, self._ends = [], []
+        self._remote_objs = []
+        for name in names:
+            u, size, etag = listed[name]
+            (head,) = client.get_ranges(u, [(0, min(8, size))], etag=etag, storage_options=self.storage_options)
+            if len(head) == 8:
+                (n,) = struct.unpack("<Q", head)
+                if n <= MAX_HEADER_SIZE and 8 + n <= size:
+                    (rest,) = client.get_ranges(u, [(8, 8 + n)], etag=etag, storage_options=self.storage_options)
+                    head += rest
+            _, infos, meta = parse_header(head, size, u)
+            self._add_shard(infos, meta, columns, u)
+            self._remote_objs.append([(u, size, etag, None)])
+        self._files = [""] * len(names)
+        self._open = {}
+        self._first = [0, *self._ends]
+
+    def _shard(self, s: int) -> Any:
+        held = self._held_here()
+        got = self._open.get(s)
+        if got is not None:
+            held.move_to_end(s)
+            return got
+        return self._mapped(s)
+
+    def _objects(self, k: int) -> list[tuple[str, int, str | None, dict[str, str] | None]]:
+        return self._remote_objs[k]
+
+    def _map(self, k: int, paths: list[str]) -> tuple[Any, list[Any]]:
+        self._files[k] = paths[0]
+        f = SafetensorsFile(paths[0])
+        return self._load(k, f), [f._buf]
+
+    def _drop(self, k: int | None) -> None:
+        if k is None:
+            self._open = {}
+        else:
+            self._open.pop(k, None)
+
+    def shard_files(self) -> list[str]:
+        return [p for k in sorted(self._fetched) for p in self._fetched[k]]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self._remote_state(super().__getstate__())
 
 
 class _LazyShards(Sequence):
@@ -759,21 +858,28 @@ def _jinx_footer(client: Any, url: str, size: int, etag: str | None,
 
 def open_remote(url: str, **kwargs: Any) -> Any:
     """The dataset at ``url``: MDS when the folder (or its ``split`` sub-folder) holds index.json, else
-    JINX (``shard-*.jinx`` objects, ``split`` selecting by footer as for local JINX)."""
+    JINX (``shard-*.jinx`` objects, ``split`` selecting by footer as for local JINX), else safetensors
+    column shards (``*.safetensors``)."""
     split = kwargs.get("split")
     folder = url.rstrip("/") + (f"/{split.strip('/')}" if split else "")
     client = connect(None if kwargs.get("cache_dir") is None else os.path.abspath(os.fspath(kwargs["cache_dir"])))
     try:
         client.head(f"{folder}/{INDEX_BASENAME}", storage_options=kwargs.get("storage_options"))
+        return RemoteMDSDataset(url, **kwargs)
     except RemoteNotFoundError:
+        pass
+    found = False  # any object below the folder
+    for cls in (RemoteJinxDataset, RemoteSafetensorsDataset):
         try:
-            return RemoteJinxDataset(url, **kwargs)
-        except RemoteNotFoundError:
-            raise RemoteNotFoundError("no dataset here: no index.json (MDS) and no objects below the folder "
-                                      "(JINX)", url=f"{folder}/{INDEX_BASENAME}") from None
-        except CorruptShardError:
+            return cls(url, **kwargs)
+        except RemoteNotFoundError:  # nothing listed (or, over http, no shard-00000 of that format)
+            continue
+        except (CorruptShardError, SafetensorsError):
             raise
-        except FormatError:
-            raise FormatError("not a dataset at this URL: no index.json (MDS) and no shard-*.jinx objects (JINX); "
-                              "safetensors shards at a URL are not read yet", path=url) from None
-    return RemoteMDSDataset(url, **kwargs)
+        except FormatError:  # objects, none of this format
+            found = True
+    if not found:
+        raise RemoteNotFoundError("no dataset here: no index.json (MDS) and no shards below the folder",
+                                  url=f"{folder}/{INDEX_BASENAME}")
+    raise FormatError("not a dataset at this URL: no index.json (MDS), no shard-*.jinx (JINX) and no "
+                      "*.safetensors objects", path=url)

@@ -32,6 +32,7 @@ from torchforge.formats.safetensors import (
     read_header,
     save_safetensors,
 )
+from torchforge.remote.url import is_remote
 from torchforge.sizes import parse_size
 
 __all__ = ["SafetensorsDataset", "SafetensorsShardWriter"]
@@ -89,6 +90,17 @@ class SafetensorsDataset(ShardDataset):
 
     format_name = "safetensors"
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """A URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``) makes a
+        :class:`~torchforge.datasets.remote.RemoteSafetensorsDataset` (which takes ``cache_dir``,
+        ``cache_limit``, ``cache_policy`` and ``storage_options`` too)."""
+        path = args[0] if args else kwargs.get("path")
+        if cls is SafetensorsDataset and isinstance(path, str) and is_remote(path):
+            from torchforge.datasets.remote import RemoteSafetensorsDataset
+
+            return super().__new__(RemoteSafetensorsDataset)
+        return super().__new__(cls)
+
     def __init__(self, path: str | os.PathLike, *, columns: Iterable[str] | None = None):
         self.path = os.fspath(path)
         if not os.path.exists(self.path):
@@ -98,25 +110,27 @@ class SafetensorsDataset(ShardDataset):
             raise FormatError(f"no *{SUFFIX} shards in the folder", path=self.path)
         self._cols: list[dict[str, bool]] = []
         self._ends: list[int] = []
-        total = 0
         for f in self._files:
             _, infos, meta = read_header(f)
-            n, cols = _columns(infos, f)
-            if meta and meta.get("format") == _META["format"] and meta.get("samples") != str(n):
-                raise CorruptShardError(f"metadata says {meta.get('samples')} samples, the columns {n}",
-                                        path=f)
-            if columns is not None:
-                missing = sorted(set(columns) - set(cols))
-                if missing:
-                    raise FormatError(f"columns {missing} not in the shard (it has {sorted(cols)})", path=f)
-                cols = {c: cols[c] for c in columns}
-            if self._cols and set(cols) != set(self._cols[0]):
-                raise CorruptShardError(f"shard has columns {sorted(cols)}, the first shard "
-                                        f"{sorted(self._cols[0])}", path=f)
-            self._cols.append(cols)
-            total += n
-            self._ends.append(total)
+            self._add_shard(infos, meta, columns, f)
         self._open: dict[int, tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]] = {}
+
+    def _add_shard(self, infos: Mapping[str, TensorInfo], meta: Mapping[str, str] | None,
+                   columns: Iterable[str] | None, where: str) -> None:
+        """Count the next shard's samples and check its columns, from its header."""
+        n, cols = _columns(infos, where)
+        if meta and meta.get("format") == _META["format"] and meta.get("samples") != str(n):
+            raise CorruptShardError(f"metadata says {meta.get('samples')} samples, the columns {n}", path=where)
+        if columns is not None:
+            missing = sorted(set(columns) - set(cols))
+            if missing:
+                raise FormatError(f"columns {missing} not in the shard (it has {sorted(cols)})", path=where)
+            cols = {c: cols[c] for c in columns}
+        if self._cols and set(cols) != set(self._cols[0]):
+            raise CorruptShardError(f"shard has columns {sorted(cols)}, the first shard "
+                                    f"{sorted(self._cols[0])}", path=where)
+        self._cols.append(cols)
+        self._ends.append((self._ends[-1] if self._ends else 0) + n)
 
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0
@@ -136,23 +150,27 @@ class SafetensorsDataset(ShardDataset):
     def _shard(self, s: int) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
         got = self._open.get(s)
         if got is None:
-            path = self._files[s]
-            f = SafetensorsFile(path)
-            n = self._ends[s] - (self._ends[s - 1] if s else 0)
-            data, offsets = {}, {}
-            for c, ragged in self._cols[s].items():
-                data[c] = f[c]
-                if ragged:
-                    off = f[c + OFFSETS].numpy()
-                    falls = np.flatnonzero(np.diff(off) < 0)
-                    if off[0] != 0 or off[-1] != data[c].shape[0] or falls.size:
-                        j = int(falls[0]) + 1 if falls.size else (0 if off[0] != 0 else n)
-                        raise CorruptShardError(
-                            f"offsets of ragged column {c!r} must rise from 0 to {data[c].shape[0]}; "
-                            f"offset {j} is "
-                            f"{off[j]}", path=path, offset=f.data_start + f.infos[c + OFFSETS].start + 8 * j)
-                    offsets[c] = off
-            got = self._open[s] = (data, offsets)
+            got = self._load(s, SafetensorsFile(self._files[s]))
+        return got
+
+    def _load(self, s: int, f: SafetensorsFile) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+        """Shard ``s``'s columns from its open file, checked, and kept."""
+        path = f.path
+        n = self._ends[s] - (self._ends[s - 1] if s else 0)
+        data, offsets = {}, {}
+        for c, ragged in self._cols[s].items():
+            data[c] = f[c]
+            if ragged:
+                off = f[c + OFFSETS].numpy()
+                falls = np.flatnonzero(np.diff(off) < 0)
+                if off[0] != 0 or off[-1] != data[c].shape[0] or falls.size:
+                    j = int(falls[0]) + 1 if falls.size else (0 if off[0] != 0 else n)
+                    raise CorruptShardError(
+                        f"offsets of ragged column {c!r} must rise from 0 to {data[c].shape[0]}; "
+                        f"offset {j} is "
+                        f"{off[j]}", path=path, offset=f.data_start + f.infos[c + OFFSETS].start + 8 * j)
+                offsets[c] = off
+        got = self._open[s] = (data, offsets)
         return got
 
     def _get(self, i: int) -> dict[str, torch.Tensor]:
