@@ -1124,3 +1124,51 @@ def test_a_batch_under_a_cache_limit_maps_each_shard_once_and_thrashing_is_repor
     with pytest.warns(RuntimeWarning, match="mode='ranges'"):  # one sample at a time, at random: maps again and again
         ids = [int(ds[i]["id"]) for i in order]
     assert ids == order
+
+
+def _epochs_bytes(ds, proxy, epochs: int = 2) -> tuple[int, dict]:
+    import torch
+
+    proxy.reset()
+    got = {}
+    for epoch in range(epochs):
+        loader = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, collate_fn=list,
+                                             generator=torch.Generator().manual_seed(epoch))
+        for batch in loader:
+            for s in batch:
+                got[int(s["id"])] = bytes(s["blob"])
+    return proxy.bytes_sent, got
+
+
+def test_an_order_without_locality_under_a_small_cache_reads_ranges_instead_of_refetching_shards(env, tmp_path,
+                                                                                                 monkeypatch):
+    import torchforge
+    from torchforge.datasets import remote
+
+    _client, proxy, put = env
+    rows = [{"id": i, "blob": bytes([i % 251]) * 900} for i in range(400)]
+    local = tmp_path / "mds-scatter"
+    from torchforge.formats.mds import MDSWriter
+
+    with MDSWriter(str(local), {"id": "int", "blob": "bytes"}, size_limit=1 << 14) as w:
+        for r in rows:
+            w.write(r)
+    for name in sorted(os.listdir(local)):
+        if name != "index.json":
+            put(f"ds/scatter/{name}", (local / name).read_bytes())
+    put("ds/scatter/index.json", (local / "index.json").read_bytes())
+    data = sum((local / n).stat().st_size for n in os.listdir(local) if n != "index.json")
+    url, want = f"s3://{BUCKET}/ds/scatter", {r["id"]: r["blob"] for r in rows}
+
+    def run(cache: str) -> int:
+        ds = torchforge.open_dataset(url, cache_dir=tmp_path / cache, cache_limit=data // 4,
+                                     storage_options=_via(proxy))
+        sent, got = _epochs_bytes(ds, proxy)
+        assert got == want
+        return sent
+
+    with_ranges = run("c1")  # the workers switch to byte ranges, the second epoch's workers start so
+    monkeypatch.setattr(remote, "BYPASS_SHARE", 0.0)  # forked workers see it: never switch
+    whole_shards = run("c2")
+    assert with_ranges < whole_shards / 3, (with_ranges, whole_shards)
+    assert with_ranges < 4 * data

@@ -35,6 +35,7 @@ then fetched whole on first use like MDS shards. They read in ``mode="shards"`` 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import itertools
 import json
@@ -77,6 +78,8 @@ POLICIES = ("belady", "lru")
 NEXT_USE = 8  # shards named as "needed next" in each fetch request (Belady's rule evicts the others first)
 RANGE_WASTE = 0.1  # bytes between merged ranges, as a share of the bytes a batch reads
 READERS = 4  # shards whose ranges a process reads at once (one fetcher connection each)
+BYPASS_SHARE = 0.25  # whole-shard maps serving fewer samples than this share of a shard: read ranges instead
+BYPASS_AFTER = 4  # dropped maps before that is judged
 
 
 class _RemoteShards:
@@ -111,6 +114,7 @@ class _RemoteShards:
         self._fetched: dict[int, list[str]] = {}  # shard -> its files in the cache, as last fetched
         self._plan: list[int] = []  # shards in the order of first use, as the last prefetch() was told
         self._prefetcher: tuple[int, threading.Thread, threading.Event] | None = None  # (pid, thread, stop)
+        self._bypass = False  # this process reads uncached shards by ranges (see RemoteMDSDataset)
 
     # --- what a subclass supplies -------------------------------------------------------------------
     def _objects(self, k: int) -> list[tuple[str, int, str | None, dict[str, str] | None]]:
@@ -134,11 +138,13 @@ class _RemoteShards:
     def _clients(self) -> list[Any]:
         """This process's ``READERS`` connections to the fetcher (one request at a time each) and the
         threads that use them to read several shards' ranges at once."""
-        if self._client_of is None or self._client_of[0] != os.getpid():
-            n = READERS if self.mode == "ranges" else 1
+        n = READERS if self.mode == "ranges" or self._bypass else 1
+        if self._client_of is None or self._client_of[0] != os.getpid() or len(self._client_of[1]) < n:
             # the first is the process's shared client (the calling thread's); the reader threads each get
             # their own connection: a client serves one request at a time
-            clients = [connect(self._remote_cache)] + [FetcherClient(self._remote_cache) for _ in range(n - 1)]
+            mine = self._client_of is not None and self._client_of[0] == os.getpid()
+            clients = self._client_of[1] if mine else [connect(self._remote_cache)]
+            clients += [FetcherClient(self._remote_cache) for _ in range(n - len(clients))]
             self._client_of = (os.getpid(), clients, ThreadPoolExecutor(n, thread_name_prefix="torchforge-ranges"))
         return self._client_of[1]
 
@@ -230,7 +236,11 @@ class _RemoteShards:
                 self._drop(None)
             self._held = (os.getpid(), OrderedDict())
             self._maps_made = 0
+            self._new_process()
         return self._held[1]
+
+    def _new_process(self) -> None:
+        """This process maps its first shard (a subclass may reset its per-process state)."""
 
     def _make_room(self, held: OrderedDict[int, int], size: int) -> None:
         if self.cache_limit is None:
@@ -246,7 +256,11 @@ class _RemoteShards:
         while held and total + size > budget:
             old, nbytes = held.popitem(last=False)
             self._drop(old)  # unmapped, and its hold released, once nothing uses it
+            self._dropped(old)
             total -= nbytes
+
+    def _dropped(self, k: int) -> None:
+        """This process let go of its map of shard ``k`` to make room (a subclass may keep count)."""
 
     def _fetch(self, client: Any, k: int, next_use: list[str]) -> list[str]:
         """Shard ``k``'s objects in the node's cache (fetched if absent): their paths."""
@@ -489,16 +503,9 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
     def __getitems__(self, indices: list[int]) -> list[Any]:
         """A batch of samples (torch's DataLoader calls this with a batch's indices)."""
         if self.mode != "ranges":
-            if self.cache_limit is None or len(indices) < 2:
+            if self.cache_limit is None:
                 return [self[i] for i in indices]
-            # under a cache_limit a process keeps few shards mapped: read the batch shard by shard, so each
-            # shard it touches is mapped once for the batch, not once per sample
-            n, bounds = len(self), self._bounds
-            key = [bisect.bisect_right(bounds, i + n if i < 0 else i) for i in map(operator.index, indices)]
-            out: list[Any] = [None] * len(indices)
-            for pos in sorted(range(len(indices)), key=key.__getitem__):
-                out[pos] = self[indices[pos]]
-            return out
+            return self._limited_batch(indices)
         n = len(self)
         idx = [operator.index(i) for i in indices]
         for i in idx:
@@ -513,6 +520,69 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         step = 256
         for first in range(0, len(self), step):
             yield from self._read(list(range(first, min(first + step, len(self)))))
+
+    # --- mode="shards" under a cache_limit ----------------------------------------------------------
+    def _limited_batch(self, indices: list[int]) -> list[Any]:
+        """A batch under a ``cache_limit``, read shard by shard (each shard this process touches is mapped
+        once for the batch, not once per sample).
+
+        When this process's whole-shard maps serve few samples each before the limit makes it drop them
+        (fewer than ``BYPASS_SHARE`` of a shard's samples, on average over ``BYPASS_AFTER`` maps: an order
+        with no locality, such as an exact global shuffle, over a cache much smaller than the dataset), it
+        stops fetching whole shards for a few samples: from then on a shard it has mapped or the node has
+        cached is read from its map, any other sample by its byte ranges as in ``mode="ranges"``. The
+        decision is left in the dataset's folder of the node cache, so the next epoch's workers of the
+        same training process start with it.
+        """
+        self._held_here()
+        n, bounds = len(self), self._bounds
+        idx = [operator.index(i) for i in indices]
+        for i in idx:
+            if not -n <= i < n:
+                raise IndexError(f"index {i} out of range for MDSDataset of {n} samples")
+        idx = [i + n if i < 0 else i for i in idx]
+        by_shard: dict[int, list[int]] = {}
+        for pos, i in enumerate(idx):
+            by_shard.setdefault(bisect.bisect_right(bounds, i) - 1, []).append(pos)
+        out: list[Any] = [None] * len(idx)
+        ranged: list[int] = []
+        for k in sorted(by_shard):
+            positions = by_shard[k]
+            if self._bypass and self._shards[k] is None and self._cached(k) is None:
+                ranged += positions
+                continue
+            for pos in positions:
+                out[pos] = self[idx[pos]]
+            self._map_served[k] = self._map_served.get(k, 0) + len(positions)
+        if ranged:
+            for pos, sample in zip(ranged, self._read([idx[pos] for pos in ranged])):
+                out[pos] = sample
+        return out
+
+    def _cached(self, k: int) -> str | None:
+        url, size, etag, hashes = self._objects(k)[0]
+        return self._client().cached(url, size, hashes=hashes, etag=etag)
+
+    def _new_process(self) -> None:
+        self._map_served: dict[int, int] = {}
+        self._drops = self._drops_served = 0
+        self._bypass = os.path.exists(self._bypass_marker())
+
+    def _dropped(self, k: int) -> None:
+        self._drops += 1
+        self._drops_served += self._map_served.pop(k, 0)
+        if self._bypass or self._drops < BYPASS_AFTER or any(m.zip_basename for m in self.metas):
+            return
+        if self._drops_served / self._drops < BYPASS_SHARE * len(self) / len(self.metas):
+            self._bypass = True
+            with contextlib.suppress(OSError):
+                open(self._bypass_marker(), "a").close()
+            log.info("%s: whole-shard maps served %.1f samples each before cache_limit=%d dropped them; reading "
+                     "uncached shards by byte ranges", self.url, self._drops_served / self._drops, self.cache_limit)
+
+    def _bypass_marker(self) -> str:
+        """Where the decision is left for the next workers of the same training process (their parent)."""
+        return os.path.join(self.folder, f".ranges-below-{self.cache_limit}-{os.getppid()}")
 
     def _check_file(self, m: ShardMeta) -> str:
         return ""  # fetched on first use (see _shard)

@@ -151,15 +151,20 @@ class FetcherClient:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"{url}: size={size!r} must be a non-negative int")
         hashes = dict(hashes or {})
-        version = etag or next((f"{k}:{v}" for k, v in sorted(hashes.items())), None)
-        if version is not None:
-            hit = self.cache.lookup(url, version, size)
-            if hit is not None:
-                return hit
+        hit = self.cached(url, size, hashes=hashes, etag=etag)
+        if hit is not None:
+            return hit
         spec, key = store_spec(url, storage_options)
         limit = None if cache_limit is None else ObjectCache(self.cache_dir, limit=cache_limit).limit
         return self._call(FetchRequest(url, spec, key, size, tuple(sorted(hashes.items())), etag, limit, policy,
                                        tuple(next_use)))
+
+    def cached(self, url: str, size: int, *, hashes: Mapping[str, str] | None = None,
+               etag: str | None = None) -> str | None:
+        """The path of the object in the node's cache if it is there now (no request), else None; the
+        version is keyed as :meth:`fetch` keys it (None without an ETag or a hash)."""
+        version = etag or next((f"{k}:{v}" for k, v in sorted(dict(hashes or {}).items())), None)
+        return None if version is None else self.cache.lookup(url, version, size)
 
     def put(self, url: str, local_path: str | os.PathLike, *,
             storage_options: Mapping[str, Any] | None = None) -> ObjectInfo:
