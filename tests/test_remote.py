@@ -198,7 +198,9 @@ def test_head_ranges_fetch_round_trip(env):
                                                 "md5": hashlib.md5(data).hexdigest()}, etag=info.etag)
     with open(path, "rb") as f:
         assert f.read() == data
+    assert client.downloaded
     assert client.fetch(url, len(data), etag=info.etag) == path  # a hit, without asking the fetcher
+    assert not client.downloaded
     assert os.path.commonpath([path, client.cache.root]) == client.cache.root
 
 

@@ -201,7 +201,9 @@ class _RemoteShards:
             for attempt in range(3):
                 paths = self._fetched.get(k)
                 if not paths or not all(os.path.exists(p) for p in paths):  # evicted before it was held
-                    paths = self._fetched[k] = self._fetch(self._client(), k, self._next_use(k))
+                    client = self._client()
+                    paths = self._fetched[k] = self._fetch(client, k, self._next_use(k))
+                    self._map_downloaded[k] = client.downloaded  # (the last object's) came over the network
                 try:
                     shard, maps = self._map(k, paths)
                     break
@@ -236,6 +238,7 @@ class _RemoteShards:
                 self._drop(None)
             self._held = (os.getpid(), OrderedDict())
             self._maps_made = 0
+            self._map_downloaded: dict[int, bool] = {}
             self._new_process()
         return self._held[1]
 
@@ -526,10 +529,10 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         """A batch under a ``cache_limit``, read shard by shard (each shard this process touches is mapped
         once for the batch, not once per sample).
 
-        When this process's whole-shard maps serve few samples each before the limit makes it drop them
-        (fewer than ``BYPASS_SHARE`` of a shard's samples, on average over ``BYPASS_AFTER`` maps: an order
-        with no locality, such as an exact global shuffle, over a cache much smaller than the dataset), it
-        stops fetching whole shards for a few samples: from then on a shard it has mapped or the node has
+        When the whole shards this process downloads serve few samples each before the limit makes it drop
+        their maps (fewer than ``BYPASS_SHARE`` of a shard's samples, on average over ``BYPASS_AFTER``
+        downloads: an order with no locality, such as an exact global shuffle, over a cache much smaller
+        than the dataset), it stops downloading whole shards for a few samples: from then on a shard it has mapped or the node has
         cached is read from its map, any other sample by its byte ranges as in ``mode="ranges"``. The
         decision is left in the dataset's folder of the node cache, so the next epoch's workers of the
         same training process start with it.
@@ -569,8 +572,11 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         self._bypass = os.path.exists(self._bypass_marker())
 
     def _dropped(self, k: int) -> None:
+        served = self._map_served.pop(k, 0)
+        if not self._map_downloaded.pop(k, False):  # a map of a shard the node had: dropping it cost nothing
+            return
         self._drops += 1
-        self._drops_served += self._map_served.pop(k, 0)
+        self._drops_served += served
         if self._bypass or self._drops < BYPASS_AFTER or any(m.zip_basename for m in self.metas):
             return
         if self._drops_served / self._drops < BYPASS_SHARE * len(self) / len(self.metas):

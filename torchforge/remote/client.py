@@ -42,6 +42,7 @@ class FetcherClient:
     fork the child opens its own connection."""
 
     def __init__(self, cache_dir: str | os.PathLike | None = None) -> None:
+        self.downloaded = False  # whether the last fetch() downloaded its object (else the cache had it)
         self.cache_dir = user_cache_dir() if cache_dir is None else os.path.abspath(os.fspath(cache_dir))
         self.cache = ObjectCache(self.cache_dir)
         self._lock = threading.Lock()
@@ -153,11 +154,14 @@ class FetcherClient:
         hashes = dict(hashes or {})
         hit = self.cached(url, size, hashes=hashes, etag=etag)
         if hit is not None:
+            self.downloaded = False
             return hit
         spec, key = store_spec(url, storage_options)
         limit = None if cache_limit is None else ObjectCache(self.cache_dir, limit=cache_limit).limit
-        return self._call(FetchRequest(url, spec, key, size, tuple(sorted(hashes.items())), etag, limit, policy,
-                                       tuple(next_use)))
+        reply = self._call(FetchRequest(url, spec, key, size, tuple(sorted(hashes.items())), etag, limit, policy,
+                                        tuple(next_use)))
+        path, self.downloaded = reply if isinstance(reply, tuple) else (reply, True)  # (an older fetcher replies a path)
+        return path
 
     def cached(self, url: str, size: int, *, hashes: Mapping[str, str] | None = None,
                etag: str | None = None) -> str | None:

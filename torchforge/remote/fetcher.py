@@ -219,7 +219,8 @@ class _Server:
             out.append(bytes(memoryview(got[(ms, me)])[s - ms:e - ms]))
         return out
 
-    def fetch(self, req: FetchRequest) -> str:
+    def fetch(self, req: FetchRequest) -> tuple[str, bool]:
+        """The object's path in the cache, and whether this request downloaded it."""
         import obstore
 
         store = self.store(req.store)
@@ -235,7 +236,11 @@ class _Server:
         for pos, u in enumerate(req.next_use):
             next_use.setdefault(url_key(u), pos)
 
+        downloaded = False
+
         def download(f: IO[bytes]) -> None:
+            nonlocal downloaded
+            downloaded = True
             pinned = etag
             for full_try in range(2):  # a hash mismatch is downloaded once more before it is an error
                 f.seek(0)
@@ -280,7 +285,8 @@ class _Server:
                     raise RemoteCorruptError(f"{bad[0]} of the bytes received is {hashers[bad[0]].hexdigest()}, "
                                              f"the index records {hashes[bad[0]]}", url=req.url)
 
-        return cache.fill(req.url, version, req.size, download, next_use=next_use, wait=IN_USE_WAIT)
+        path = cache.fill(req.url, version, req.size, download, next_use=next_use, wait=IN_USE_WAIT)
+        return path, downloaded
 
 
     def put(self, req: PutRequest) -> ObjectInfo:
