@@ -1128,14 +1128,17 @@ def test_a_batch_under_a_cache_limit_maps_each_shard_once_and_thrashing_is_repor
     assert ids == order
 
 
-def _epochs_bytes(ds, proxy, epochs: int = 2) -> tuple[int, dict]:
+def _epochs_bytes(ds, proxy, epochs: int = 2, bucket: int | None = None) -> tuple[int, dict]:
     import torch
+
+    from torchforge.sampler import GlobalSampler
 
     proxy.reset()
     got = {}
     for epoch in range(epochs):
-        loader = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, collate_fn=list,
-                                             generator=torch.Generator().manual_seed(epoch))
+        order = (GlobalSampler(ds, seed=epoch, bucket_size=bucket) if bucket else None)
+        loader = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=order is None, sampler=order, num_workers=2,
+                                             collate_fn=list, generator=torch.Generator().manual_seed(epoch))
         for batch in loader:
             for s in batch:
                 got[int(s["id"])] = bytes(s["blob"])
@@ -1162,15 +1165,20 @@ def test_an_order_without_locality_under_a_small_cache_reads_ranges_instead_of_r
     data = sum((local / n).stat().st_size for n in os.listdir(local) if n != "index.json")
     url, want = f"s3://{BUCKET}/ds/scatter", {r["id"]: r["blob"] for r in rows}
 
-    def run(cache: str) -> int:
+    def run(cache: str, bucket: int | None = None) -> int:
         ds = torchforge.open_dataset(url, cache_dir=tmp_path / cache, cache_limit=data // 4,
                                      storage_options=_via(proxy))
-        sent, got = _epochs_bytes(ds, proxy)
+        sent, got = _epochs_bytes(ds, proxy, bucket=bucket)
         assert got == want
         return sent
 
     with_ranges = run("c1")  # the workers switch to byte ranges, the second epoch's workers start so
+    per_shard = len(rows) // (len(os.listdir(local)) - 1)
+    proxy.reset()
+    bucketed = run("c3", bucket=per_shard)  # a shard's worth of neighbours at a time: whole shards pay
+    gets = len(proxy.gets)
     monkeypatch.setattr(remote, "BYPASS_SHARE", 0.0)  # forked workers see it: never switch
     whole_shards = run("c2")
     assert with_ranges < whole_shards / 3, (with_ranges, whole_shards)
     assert with_ranges < 4 * data
+    assert gets < len(rows) / 4 and bucketed < 4 * data, (gets, bucketed)  # whole shards, not a range per sample

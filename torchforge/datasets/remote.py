@@ -78,7 +78,7 @@ POLICIES = ("belady", "lru")
 NEXT_USE = 8  # shards named as "needed next" in each fetch request (Belady's rule evicts the others first)
 RANGE_WASTE = 0.1  # bytes between merged ranges, as a share of the bytes a batch reads
 READERS = 4  # shards whose ranges a process reads at once (one fetcher connection each)
-BYPASS_SHARE = 0.25  # whole-shard maps serving fewer samples than this share of a shard: read ranges instead
+BYPASS_SHARE = 0.1  # whole shards downloaded serving fewer samples than this share of one: read ranges instead
 BYPASS_AFTER = 4  # dropped maps before that is judged
 
 
@@ -203,7 +203,8 @@ class _RemoteShards:
                 if not paths or not all(os.path.exists(p) for p in paths):  # evicted before it was held
                     client = self._client()
                     paths = self._fetched[k] = self._fetch(client, k, self._next_use(k))
-                    self._map_downloaded[k] = client.downloaded  # (the last object's) came over the network
+                    if client.downloaded:  # (the last object) came over the network, not from the cache
+                        self._on_download(k)
                 try:
                     shard, maps = self._map(k, paths)
                     break
@@ -238,7 +239,6 @@ class _RemoteShards:
                 self._drop(None)
             self._held = (os.getpid(), OrderedDict())
             self._maps_made = 0
-            self._map_downloaded: dict[int, bool] = {}
             self._new_process()
         return self._held[1]
 
@@ -259,11 +259,10 @@ class _RemoteShards:
         while held and total + size > budget:
             old, nbytes = held.popitem(last=False)
             self._drop(old)  # unmapped, and its hold released, once nothing uses it
-            self._dropped(old)
             total -= nbytes
 
-    def _dropped(self, k: int) -> None:
-        """This process let go of its map of shard ``k`` to make room (a subclass may keep count)."""
+    def _on_download(self, k: int) -> None:
+        """This process's fetch of shard ``k`` downloaded it (a subclass may keep count)."""
 
     def _fetch(self, client: Any, k: int, next_use: list[str]) -> list[str]:
         """Shard ``k``'s objects in the node's cache (fetched if absent): their paths."""
@@ -529,10 +528,10 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         """A batch under a ``cache_limit``, read shard by shard (each shard this process touches is mapped
         once for the batch, not once per sample).
 
-        When the whole shards this process downloads serve few samples each before the limit makes it drop
-        their maps (fewer than ``BYPASS_SHARE`` of a shard's samples, on average over ``BYPASS_AFTER``
-        downloads: an order with no locality, such as an exact global shuffle, over a cache much smaller
-        than the dataset), it stops downloading whole shards for a few samples: from then on a shard it has mapped or the node has
+        When the whole shards this process downloads serve few samples each (fewer than ``BYPASS_SHARE`` of
+        a shard's samples per download, judged after ``BYPASS_AFTER`` downloads: an order with no locality,
+        such as an exact global shuffle, over a cache much smaller than the dataset, where the limit evicts
+        a shard before much of it is read), it stops downloading whole shards for a few samples: from then on a shard it has mapped or the node has
         cached is read from its map, any other sample by its byte ranges as in ``mode="ranges"``. The
         decision is left in the dataset's folder of the node cache, so the next epoch's workers of the
         same training process start with it.
@@ -556,7 +555,7 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
                 continue
             for pos in positions:
                 out[pos] = self[idx[pos]]
-            self._map_served[k] = self._map_served.get(k, 0) + len(positions)
+            self._served += len(positions)
         if ranged:
             for pos, sample in zip(ranged, self._read([idx[pos] for pos in ranged])):
                 out[pos] = sample
@@ -567,24 +566,21 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         return self._client().cached(url, size, hashes=hashes, etag=etag)
 
     def _new_process(self) -> None:
-        self._map_served: dict[int, int] = {}
-        self._drops = self._drops_served = 0
+        self._served = self._downloads = 0  # samples read from maps, whole shards downloaded: this process's
         self._bypass = os.path.exists(self._bypass_marker())
 
-    def _dropped(self, k: int) -> None:
-        served = self._map_served.pop(k, 0)
-        if not self._map_downloaded.pop(k, False):  # a map of a shard the node had: dropping it cost nothing
+    def _on_download(self, k: int) -> None:
+        self._downloads += 1
+        before = self._downloads - 1  # what the downloads before this one served
+        if self._bypass or before < BYPASS_AFTER or any(m.zip_basename for m in self.metas):
             return
-        self._drops += 1
-        self._drops_served += served
-        if self._bypass or self._drops < BYPASS_AFTER or any(m.zip_basename for m in self.metas):
-            return
-        if self._drops_served / self._drops < BYPASS_SHARE * len(self) / len(self.metas):
+        if self._served / before < BYPASS_SHARE * len(self) / len(self.metas):
             self._bypass = True
             with contextlib.suppress(OSError):
                 open(self._bypass_marker(), "a").close()
-            log.info("%s: whole-shard maps served %.1f samples each before cache_limit=%d dropped them; reading "
-                     "uncached shards by byte ranges", self.url, self._drops_served / self._drops, self.cache_limit)
+            log.info("%s: the whole shards this process downloaded served %.1f samples each under "
+                     "cache_limit=%d; reading uncached shards by byte ranges", self.url, self._served / before,
+                     self.cache_limit)
 
     def _bypass_marker(self) -> str:
         """Where the decision is left for the next workers of the same training process (their parent)."""
