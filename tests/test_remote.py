@@ -430,18 +430,24 @@ def test_errors_pickle_with_url():
 
 
 # --- an MDS dataset at a URL (torchforge.datasets.remote) ------------------------------------------------
-def _upload_mds(tmp_path, put, prefix: str, n: int = 60, marker: int = 0) -> list[dict]:
+def _put_mds(put, local, prefix: str, rows: list[dict], size_limit: int, **options) -> list[int]:
+    """``rows`` ({"id": int, "blob": bytes}) written as MDS in ``local`` and uploaded below ``prefix``, the
+    index last (never half a dataset); returns the shard files' sizes."""
     from torchforge.formats.mds import MDSWriter
 
-    rows = [{"id": i, "blob": bytes([(i + marker) % 251]) * (200 + 37 * i)} for i in range(n)]
-    local = tmp_path / f"mds-{prefix.replace('/', '_')}-{marker}"
-    with MDSWriter(str(local), {"id": "int", "blob": "bytes"}, size_limit=1 << 13, hashes=["sha1"]) as w:
+    with MDSWriter(str(local), {"id": "int", "blob": "bytes"}, size_limit=size_limit, **options) as w:
         for r in rows:
             w.write(r)
-    for name in sorted(os.listdir(local)):
-        if name != "index.json":
-            put(f"{prefix}/{name}", (local / name).read_bytes())
-    put(f"{prefix}/index.json", (local / "index.json").read_bytes())  # the index last: never half a dataset
+    shards = [name for name in sorted(os.listdir(local)) if name != "index.json"]
+    for name in shards:
+        put(f"{prefix}/{name}", (local / name).read_bytes())
+    put(f"{prefix}/index.json", (local / "index.json").read_bytes())
+    return [(local / name).stat().st_size for name in shards]
+
+
+def _upload_mds(tmp_path, put, prefix: str, n: int = 60, marker: int = 0) -> list[dict]:
+    rows = [{"id": i, "blob": bytes([(i + marker) % 251]) * (200 + 37 * i)} for i in range(n)]
+    _put_mds(put, tmp_path / f"mds-{prefix.replace('/', '_')}-{marker}", prefix, rows, 1 << 13, hashes=["sha1"])
     return rows
 
 
@@ -845,18 +851,9 @@ def test_cache_limit_holds_every_10ms_and_no_mapped_shard_is_evicted(env, tmp_pa
     import torchforge
 
     _client, proxy, put = env
-    from torchforge.formats.mds import MDSWriter
-
     rows = [{"id": i, "blob": bytes([i % 251]) * 1000} for i in range(240)]
     local = tmp_path / "mds-tight"
-    with MDSWriter(str(local), {"id": "int", "blob": "bytes"}, size_limit=1 << 13) as w:
-        for r in rows:
-            w.write(r)
-    shard_bytes = [(local / n).stat().st_size for n in sorted(os.listdir(local)) if n != "index.json"]
-    for name in sorted(os.listdir(local)):
-        if name != "index.json":
-            put(f"ds/tight/{name}", (local / name).read_bytes())
-    put("ds/tight/index.json", (local / "index.json").read_bytes())
+    shard_bytes = _put_mds(put, local, "ds/tight", rows, 1 << 13)
     limit = sum(shard_bytes) // 4
     assert len(shard_bytes) >= 20 and limit >= 5 * max(shard_bytes)
     cache = tmp_path / "cache"
@@ -1153,16 +1150,7 @@ def test_an_order_without_locality_under_a_small_cache_reads_ranges_instead_of_r
     _client, proxy, put = env
     rows = [{"id": i, "blob": bytes([i % 251]) * 900} for i in range(400)]
     local = tmp_path / "mds-scatter"
-    from torchforge.formats.mds import MDSWriter
-
-    with MDSWriter(str(local), {"id": "int", "blob": "bytes"}, size_limit=1 << 14) as w:
-        for r in rows:
-            w.write(r)
-    for name in sorted(os.listdir(local)):
-        if name != "index.json":
-            put(f"ds/scatter/{name}", (local / name).read_bytes())
-    put("ds/scatter/index.json", (local / "index.json").read_bytes())
-    data = sum((local / n).stat().st_size for n in os.listdir(local) if n != "index.json")
+    data = sum(_put_mds(put, local, "ds/scatter", rows, 1 << 14))
     url, want = f"s3://{BUCKET}/ds/scatter", {r["id"]: r["blob"] for r in rows}
 
     def run(cache: str, bucket: int | None = None) -> int:

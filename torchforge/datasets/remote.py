@@ -66,7 +66,7 @@ from torchforge.formats.jinx_reader import JinxShard
 from torchforge.formats.mds import INDEX_BASENAME
 from torchforge.formats.mds_reader import SampleDecoder, ShardMeta
 from torchforge.formats.safetensors import MAX_HEADER_SIZE, SafetensorsFile, parse_header
-from torchforge.remote import FetcherClient, ObjectCache, RemoteNotFoundError, connect, is_remote
+from torchforge.remote import FetcherClient, RemoteNotFoundError, connect, is_remote
 from torchforge.sizes import parse_size
 
 __all__ = ["RemoteJinxDataset", "RemoteMDSDataset", "RemoteSafetensorsDataset", "is_remote"]
@@ -192,8 +192,9 @@ class _RemoteShards:
         room.
         """
         held = self._held_here()
-        self._make_room(held, self._stored_bytes(k))
-        cache = ObjectCache(self._client().cache_dir)
+        size = self._stored_bytes(k)
+        self._make_room(held, size)
+        cache = self._client().cache  # the client's view of the node's cache (no folders made per map)
         pins: list[int] = []
         try:
             for url, *_ in self._objects(k):
@@ -220,7 +221,7 @@ class _RemoteShards:
         release = _Release(pins, len(maps))
         for m in maps:
             weakref.finalize(m, release.one_gone)  # let go when the maps are gone, not before
-        held[k] = self._stored_bytes(k)
+        held[k] = size
         self._maps_made += 1
         shards = len(self._first) - 1
         if self.cache_limit is not None and self._maps_made == 8 * shards + 1:
