@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import itertools
 import json
 import os
 import pickle
@@ -284,6 +285,81 @@ def test_bad_hash_or_size_leaves_nothing(env):
     assert client.cache.usage() == 0
 
 
+def _served(proxy: FaultProxy, key: str) -> list[tuple[int, int]]:
+    """The byte ranges of ``key`` the proxy served, in request order (a GET without Range: the whole)."""
+    out = []
+    for path, rng in proxy.gets:
+        if path.endswith(key):
+            s, e = (rng or "bytes=0-").split("=", 1)[1].split("-")
+            out.append((int(s), int(e) + 1 if e else -1))
+    return out
+
+
+def _parted(env, tmp_path, monkeypatch, key: str, size: int):
+    """An object of ``size`` random bytes at ``key``, and a client of a fetcher of its own (a fresh cache
+    folder) that downloads in 64 KiB blocks and 512 KiB parts, one part in order at a time; returns
+    (client, proxy, URL, bytes, ETag) with the proxy's counts reset."""
+    from torchforge.remote.client import FetcherClient
+
+    _, proxy, put = env
+    monkeypatch.setenv("TORCHFORGE_FETCH_BLOCK", str(64 * 1024))
+    monkeypatch.setenv("TORCHFORGE_FETCH_THREADS", "1")
+    client = FetcherClient(tmp_path / key.replace("/", "_"))
+    data = os.urandom(size)
+    url = put(key, data)
+    etag = client.head(url).etag
+    proxy.reset()
+    return client, proxy, url, data, etag
+
+
+def test_a_read_is_served_from_the_download_before_it_completes(env, tmp_path, monkeypatch):
+    client, proxy, url, data, etag = _parted(env, tmp_path, monkeypatch, "parts/shard.mds", 3_000_000)
+    proxy.delay = 0.01  # per 64 KiB: a part in order takes 0.08 s, the whole object about 0.5 s
+    want = [(2_500_000, 2_500_100), (10, 20)]
+    blobs, path = client.read(url, len(data), want, etag=etag, storage_options=_via(proxy))
+    assert blobs == [data[s:e] for s, e in want]
+    assert path is None  # served from the download, not after it
+    first = _served(proxy, "parts/shard.mds")[:2]  # the blocks read were fetched first, before any part in order
+    assert sorted(first) == [(0, 65536), (2_490_368, 2_555_904)], first
+    # the download goes on to the whole object: cached once, every byte fetched exactly once
+    path = client.fetch(url, len(data), etag=etag, storage_options=_via(proxy))
+    with open(path, "rb") as f:
+        assert f.read() == data
+    served = sorted(_served(proxy, "parts/shard.mds"))
+    assert served[0][0] == 0 and served[-1][1] == len(data)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(served)), served  # no gap, no overlap
+    assert len(served) < 12  # 6 parts in order and the 2 blocks read, give or take a split part
+    # a read of a cached object comes from the cache, with its path; nothing fetched
+    proxy.reset()
+    assert client.read(url, len(data), [(5, 9)], etag=etag, storage_options=_via(proxy)) == ([data[5:9]], path)
+    assert not proxy.gets
+    client.close()
+
+
+def test_parts_under_faults_and_hashes(env, tmp_path, monkeypatch):
+    client, proxy, url, data, etag = _parted(env, tmp_path, monkeypatch, "parts/faulty.mds", 1_500_000)
+    put = env[2]
+    proxy.faults = ["503", "reset", "truncate", "429", "ok", "reset", "truncate"]
+    blobs, _ = client.read(url, len(data), [(1_000_000, 1_200_000)], etag=etag, storage_options=_via(proxy))
+    assert blobs == [data[1_000_000:1_200_000]]
+    path = client.fetch(url, len(data), etag=etag, storage_options=_via(proxy))
+    with open(path, "rb") as f:
+        assert f.read() == data
+    assert not proxy.faults and _objects(client) == [os.path.basename(path)]
+    # an object whose hash can be checked is served only once complete and verified...
+    url = put("parts/hashed.mds", data)
+    sha1 = hashlib.sha1(data).hexdigest()
+    blobs, path = client.read(url, len(data), [(7, 70)], hashes={"sha1": sha1}, storage_options=_via(proxy))
+    assert blobs == [data[7:70]] and path is not None
+    # ...and one whose bytes do not match it serves nothing and leaves nothing
+    url = put("parts/lying.mds", data)
+    with pytest.raises(RemoteCorruptError, match="sha1") as e:
+        client.read(url, len(data), [(7, 70)], hashes={"sha1": "0" * 40}, storage_options=_via(proxy))
+    assert e.value.url == url
+    assert len(_objects(client)) == 2
+    client.close()
+
+
 def test_missing_or_denied_fails_fast(env):
     client, proxy, _ = env
     for url in (f"s3://{BUCKET}/no/such.mds", "s3://no-such-bucket/x.mds"):
@@ -480,6 +556,38 @@ def test_open_dataset_at_an_s3_url_reads_every_sample_once_per_node(env, tmp_pat
     assert sum(proxy.gets_of(name) for name in shards) == 0
     # nothing was written next to the data: the cache is the folder given
     assert os.path.isdir(tmp_path / "cache")
+
+
+def test_a_first_batch_waits_for_parts_not_whole_shards(env, tmp_path, monkeypatch):
+    import torchforge
+    from torchforge.sampler import GlobalSampler
+
+    _, proxy, put = env
+    monkeypatch.setenv("TORCHFORGE_FETCH_BLOCK", str(64 * 1024))
+    monkeypatch.setenv("TORCHFORGE_FETCH_THREADS", "1")
+    rows = [{"id": i, "blob": bytes([i % 251]) * 40_000} for i in range(200)]
+    sizes = _put_mds(put, tmp_path / "early", "ds/early", rows, 1 << 21)  # no hashes: bytes served early
+    ds = torchforge.open_dataset(f"s3://{BUCKET}/ds/early", cache_dir=tmp_path / "early-cache",
+                                 storage_options=_via(proxy))
+    names = [m.raw_basename for m in ds.metas]
+    assert len(names) == len(sizes) >= 4
+    order = GlobalSampler(len(ds), seed=3).indices(0, len(ds)).tolist()
+    proxy.reset()
+    proxy.delay = 0.02  # per 64 KiB sent
+    first = ds.__getitems__(order[:16])
+    assert [(int(s["id"]), bytes(s["blob"])) for s in first] == [(i, rows[i]["blob"]) for i in order[:16]]
+    assert len({ds._locate(i)[0] for i in order[:16]}) == len(names)  # the batch touches every shard...
+    assert proxy.bytes_sent < sum(sizes) / 2  # ...and did not wait for them whole
+    got = [s for k in range(16, len(order), 16) for s in ds.__getitems__(order[k:k + 16])]
+    assert [(int(s["id"]), bytes(s["blob"])) for s in got] == [(i, rows[i]["blob"]) for i in order[16:]]
+    ds.prefetch(order, wait=True)  # (the downloads in progress, to their end)
+    for name, size in zip(names, sizes):  # every byte of every shard fetched exactly once
+        served = sorted(_served(proxy, f"ds/early/{name}"))
+        assert served[0][0] == 0 and served[-1][1] in (size, -1), (name, served)
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(served)), (name, served)
+    proxy.reset()
+    assert [int(s["id"]) for s in ds.__getitems__(order[:50])] == order[:50]
+    assert not proxy.gets  # complete shards are mapped from the node's cache
 
 
 def test_a_dataset_overwritten_at_its_url_is_a_new_version_never_mixed(env, tmp_path):

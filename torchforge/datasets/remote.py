@@ -4,9 +4,13 @@ MDS (:class:`RemoteMDSDataset`): ``index.json`` is read when the dataset is open
 node-local cache, so a dataset overwritten at the same URL is a new cache entry, never mixed into the
 files of the old one. Each shard is fetched whole into the node-local cache on its first use, through
 the node's fetcher process (:mod:`torchforge.remote`: one download per shard per node whatever the
-number of ranks and DataLoader workers, size and the hashes index.json records checked before the file
-is used, nothing partial ever read), then memory-mapped as a local shard. DataLoader workers, forked
-or spawned, reach the fetcher themselves; no process here ever imports the object-store client.
+number of ranks and DataLoader workers, in parts fetched concurrently; size and the hashes index.json
+records checked before the file enters the cache), then memory-mapped as a local shard. Until a shard
+is complete, a batch (with no ``cache_limit``) reads its samples from the download itself: the parts
+that hold them are fetched before any other, so a first batch that touches every shard waits for a few
+parts, not for the whole dataset (a shard whose index records a hash is served only once verified).
+DataLoader workers, forked or spawned, reach the fetcher themselves; no process here ever imports the
+object-store client.
 
 ``mode="ranges"`` fetches no whole shard: each shard's offset table is read once (one small range), and
 a sample's bytes are one range of its shard. A batch (``__getitems__``, which torch's and torchforge's
@@ -77,7 +81,7 @@ MODES = ("shards", "ranges")
 POLICIES = ("belady", "lru")
 NEXT_USE = 8  # shards named as "needed next" in each fetch request (Belady's rule evicts the others first)
 RANGE_WASTE = 0.1  # bytes between merged ranges, as a share of the bytes a batch reads
-READERS = 4  # shards whose ranges a process reads at once (one fetcher connection each)
+READERS = 8  # shards whose ranges a process reads at once (one fetcher connection each)
 BYPASS_SHARE = 0.1  # whole shards downloaded serving fewer samples than this share of one: read ranges instead
 BYPASS_AFTER = 4  # dropped maps before that is judged
 
@@ -138,7 +142,7 @@ class _RemoteShards:
     def _clients(self) -> list[Any]:
         """This process's ``READERS`` connections to the fetcher (one request at a time each) and the
         threads that use them to read several shards' ranges at once."""
-        n = READERS if self.mode == "ranges" or self._bypass else 1
+        n = READERS if self.mode == "ranges" or self._bypass or self.cache_limit is None else 1
         if self._client_of is None or self._client_of[0] != os.getpid() or len(self._client_of[1]) < n:
             # the first is the process's shared client (the calling thread's); the reader threads each get
             # their own connection: a client serves one request at a time
@@ -378,7 +382,8 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         split: a sub-folder.
         cache_dir: the node-local cache (default: the per-user cache folder, never the data folder).
         cache_limit: the most bytes the cache may hold (bytes or ``"50GB"``); None for no limit.
-        mode: ``"shards"`` (whole shards fetched on first use) or ``"ranges"`` (byte ranges per batch).
+        mode: ``"shards"`` (whole shards fetched on first use, samples served from a download in progress)
+            or ``"ranges"`` (byte ranges per batch).
         cache_policy: what the cache evicts when ``cache_limit`` needs room: ``"belady"`` (the shard needed
             furthest in the future, as far as the fetches in flight tell) or ``"lru"``.
         storage_options: endpoint, region, credentials, anonymous, allow_http; the standard environment
@@ -413,6 +418,7 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         self._first = list(self._bounds)
         self._offsets: dict[int, list[int]] = {}
         self._decoders: dict[int, Any] = {}
+        self._complete: set[int] = set()  # shards seen cached or mapped (mode="shards", no cache_limit)
         if mode == "ranges":
             whole = [m.zip_basename for m in self.metas if m.zip_basename is not None]
             if whole:
@@ -423,14 +429,17 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
     def _shard_url(self, k: int) -> str:
         return f"{self.url}/{self.metas[k].raw_basename}"
 
-    def _offsets_of(self, k: int, client: Any = None) -> list[int]:
-        """Shard ``k``'s sample offsets, read once (one small range) and checked like a local shard's."""
+    def _offsets_of(self, k: int, client: Any = None, early: bool = False) -> list[int]:
+        """Shard ``k``'s sample offsets, read once (one small range; ``early``: from the shard's download,
+        see :meth:`_early_batch`) and checked like a local shard's."""
         offs = self._offsets.get(k)
         if offs is None:
             m, url = self.metas[k], self._shard_url(k)
             head = 4 + 4 * (m.samples + 1)
-            (data,) = (client or self._client()).get_ranges(url, [(0, min(head, m.raw_bytes))],
-                                                            storage_options=self.storage_options)
+            span = [(0, min(head, m.raw_bytes))]
+            client = client or self._client()
+            (data,) = (self._download_read(client, k, span) if early
+                       else client.get_ranges(url, span, storage_options=self.storage_options))
             if len(data) < head or struct.unpack_from("<I", data)[0] != m.samples:
                 raise CorruptShardError(f"the shard's header does not hold {m.samples} samples as index.json "
                                         "says", path=url, offset=0)
@@ -441,6 +450,17 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
                                         path=url, offset=4)
             self._offsets[k] = offs
         return offs
+
+    def _download_read(self, client: Any, k: int, spans: list[tuple[int, int]]) -> list[bytes]:
+        """``spans`` of shard ``k`` read from its download into the node's cache (see :meth:`_early_batch`);
+        a shard found complete is mapped from then on."""
+        url, size, etag, hashes = self._objects(k)[0]
+        blobs, path = client.read(url, size, spans, hashes=hashes, etag=etag, policy=self.cache_policy,
+                                  next_use=self._next_use(k), storage_options=self.storage_options)
+        if path is not None:
+            self._fetched[k] = [path]
+            self._complete.add(k)
+        return blobs
 
     def _decoder(self, k: int) -> Any:
         dec = self._decoders.get(k)
@@ -457,8 +477,9 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
             data = m.compression.codec.decompress(data, path=self._shard_url(k), offset=begin)
         return self._decoder(k).decode(data, begin)
 
-    def _read(self, indices: list[int]) -> list[Any]:
-        """The samples at ``indices`` (in order): one coalesced read per shard they touch."""
+    def _read(self, indices: list[int], early: bool = False) -> list[Any]:
+        """The samples at ``indices`` (in order): one coalesced read per shard they touch, by range GETs, or
+        with ``early`` from the shards' downloads into the node's cache (:meth:`_early_batch`)."""
         by_shard: dict[int, list[tuple[int, int]]] = {}
         for pos, i in enumerate(indices):
             k, j = self._locate(i)
@@ -468,8 +489,10 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
 
         def read(n: int, k: int) -> tuple[list[tuple[int, int]], list[bytes]]:
             client = clients[n % len(clients)]
-            offs = self._offsets_of(k, client)
+            offs = self._offsets_of(k, client, early)
             merged = _merge(sorted({(offs[j], offs[j + 1]) for _, j in by_shard[k]}), RANGE_WASTE)
+            if early:
+                return merged, self._download_read(client, k, merged)
             return merged, client.get_ranges(self._shard_url(k), merged, gap=0, storage_options=self.storage_options)
 
         shards = list(by_shard)
@@ -507,7 +530,7 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         """A batch of samples (torch's DataLoader calls this with a batch's indices)."""
         if self.mode != "ranges":
             if self.cache_limit is None:
-                return [self[i] for i in indices]
+                return self._early_batch(indices)
             return self._limited_batch(indices)
         n = len(self)
         idx = [operator.index(i) for i in indices]
@@ -524,6 +547,38 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         for first in range(0, len(self), step):
             yield from self._read(list(range(first, min(first + step, len(self)))))
 
+    # --- mode="shards" ---------------------------------------------------------------------------------
+    def _checked(self, indices: list[int]) -> list[int]:
+        n = len(self)
+        idx = [operator.index(i) for i in indices]
+        for i in idx:
+            if not -n <= i < n:
+                raise IndexError(f"index {i} out of range for MDSDataset of {n} samples")
+        return [i + n if i < 0 else i for i in idx]
+
+    def _early_batch(self, indices: list[int]) -> list[Any]:
+        """A batch in ``mode="shards"`` with no ``cache_limit``. Samples of shards this process has mapped
+        or the node has cached are read from their maps. The others are read from their shards' downloads
+        into the cache (:meth:`FetcherClient.read`: started if not in progress, the parts holding these
+        samples fetched first), so a batch waits for a few parts, not for every whole shard it touches: an
+        exactly shuffled first batch touches nearly every shard. The downloads go on to whole shards, once
+        per node, and the next batches map them once complete. Shards compressed as a whole are mapped."""
+        idx = self._checked(indices)
+        out: list[Any] = [None] * len(idx)
+        early: list[int] = []
+        for pos, i in enumerate(idx):
+            k = bisect.bisect_right(self._bounds, i) - 1
+            if (self._shards[k] is None and self.metas[k].zip_basename is None and k not in self._complete
+                    and self._cached(k) is None):
+                early.append(pos)
+            else:
+                self._complete.add(k)
+                out[pos] = self[i]
+        if early:
+            for pos, sample in zip(early, self._read([idx[pos] for pos in early], early=True)):
+                out[pos] = sample
+        return out
+
     # --- mode="shards" under a cache_limit ----------------------------------------------------------
     def _limited_batch(self, indices: list[int]) -> list[Any]:
         """A batch under a ``cache_limit``, read shard by shard (each shard this process touches is mapped
@@ -538,12 +593,8 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         same training process start with it.
         """
         self._held_here()
-        n, bounds = len(self), self._bounds
-        idx = [operator.index(i) for i in indices]
-        for i in idx:
-            if not -n <= i < n:
-                raise IndexError(f"index {i} out of range for MDSDataset of {n} samples")
-        idx = [i + n if i < 0 else i for i in idx]
+        bounds = self._bounds
+        idx = self._checked(indices)
         by_shard: dict[int, list[int]] = {}
         for pos, i in enumerate(idx):
             by_shard.setdefault(bisect.bisect_right(bounds, i) - 1, []).append(pos)

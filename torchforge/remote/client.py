@@ -26,6 +26,7 @@ from torchforge.remote.messages import (
     ObjectInfo,
     PutRequest,
     RangesRequest,
+    ReadRequest,
     address,
     authkey,
     check_ranges,
@@ -162,6 +163,33 @@ class FetcherClient:
                                         tuple(next_use)))
         path, self.downloaded = reply if isinstance(reply, tuple) else (reply, True)  # (an older fetcher replies a path)
         return path
+
+    def read(self, url: str, size: int, ranges: Sequence[tuple[int, int]], *, hashes: Mapping[str, str] | None = None,
+             etag: str | None = None, cache_limit: int | str | None = None, policy: str = "belady",
+             next_use: Sequence[str] = (), storage_options: Mapping[str, Any] | None = None
+             ) -> tuple[list[bytes], str | None]:
+        """The bytes of each ``[start, end)`` range of the object, read from its download into the node's
+        cache: the download is started if none is in progress (one per node, as :meth:`fetch` makes, and the
+        object ends up cached as :meth:`fetch` leaves it), the parts holding the ranges are fetched before
+        any other, and this returns as soon as they are written. An object whose ``hashes`` can be checked
+        is returned only once complete and verified. Takes :meth:`fetch`'s arguments.
+
+        Returns:
+            the ranges' bytes, and the object's path in the cache if it was complete by then (else None).
+
+        Raises:
+            what :meth:`fetch` raises.
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"{url}: size={size!r} must be a non-negative int")
+        ranges = check_ranges(url, ranges)
+        if any(e > size for _, e in ranges):
+            raise ValueError(f"{url}: a range ends past the object's {size} bytes: {max(e for _, e in ranges)}")
+        spec, key = store_spec(url, storage_options)
+        limit = None if cache_limit is None else ObjectCache(self.cache_dir, limit=cache_limit).limit
+        fetch = FetchRequest(url, spec, key, size, tuple(sorted(dict(hashes or {}).items())), etag, limit, policy,
+                             tuple(next_use))
+        return self._call(ReadRequest(fetch, ranges))
 
     def cached(self, url: str, size: int, *, hashes: Mapping[str, str] | None = None,
                etag: str | None = None) -> str | None:

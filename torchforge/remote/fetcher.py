@@ -32,7 +32,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, Listener
 from typing import IO, Any
 
@@ -53,11 +53,13 @@ from torchforge.remote.messages import (
     ObjectInfo,
     PutRequest,
     RangesRequest,
+    ReadRequest,
     Reply,
     address,
     authkey,
     coalesce,
 )
+from torchforge.remote.parts import Download, PartScheduler
 from torchforge.remote.url import StoreSpec
 
 __all__ = ["BACKOFF_BASE", "BACKOFF_CAP", "IDLE_EXIT", "RETRIES", "serve"]
@@ -128,6 +130,27 @@ def _retrying(url: str, fn: Callable[[], Any]) -> Any:
     raise AssertionError("unreachable")
 
 
+def _mismatch(fd: int, size: int, hashes: dict[str, str]) -> tuple[str, str] | None:
+    """The first ``(algorithm, digest)`` of the file's ``size`` bytes that differs from ``hashes``, or None."""
+    if not hashes:
+        return None
+    hashers = {k: _hasher(k) for k in hashes}
+    for at in range(0, size, _CHUNK * 8):
+        chunk = os.pread(fd, min(_CHUNK * 8, size - at), at)
+        for h in hashers.values():
+            h.update(chunk)
+    return next(((k, h.hexdigest()) for k, h in hashers.items() if h.hexdigest() != str(hashes[k]).lower()), None)
+
+
+class _Source:
+    """Where a download's parts come from: the store, the key, and the ETag they are pinned to."""
+
+    def __init__(self, store: Any, key: str, etag: str | None) -> None:
+        self.store = store
+        self.key = key
+        self.etag = etag
+
+
 def _hasher(name: str) -> Any | None:
     name = name.lower()
     if name.startswith("xxh"):
@@ -150,6 +173,7 @@ class _Server:
         self.lock = threading.Lock()
         self.clients = 0
         self.last_seen = time.monotonic()
+        self.parts = PartScheduler(self._fetch_part)
 
     def store(self, spec: StoreSpec) -> Any:
         with self.lock:
@@ -220,74 +244,101 @@ class _Server:
         return out
 
     def fetch(self, req: FetchRequest) -> tuple[str, bool]:
-        """The object's path in the cache, and whether this request downloaded it."""
-        import obstore
+        """The object's path in the cache, and whether this request downloaded it (the first request to
+        ask for a download in progress counts as its owner)."""
+        d = self._download(req)
+        path = self.parts.wait(d)
+        with self.parts.cond:
+            mine = d.ran and not d.claimed
+            d.claimed = d.claimed or mine
+        return path, mine
 
-        store = self.store(req.store)
+    def read(self, req: ReadRequest) -> tuple[list[bytes], str | None]:
+        """Ranges of an object read from its download into the cache (started if none is in progress), as
+        soon as the parts that hold them are there; and the object's cache file if it is complete."""
+        return self.parts.read(self._download(req.fetch, req.ranges), req.ranges)
+
+    def _download(self, req: FetchRequest, first: Sequence[tuple[int, int]] = ()) -> Download:
+        """The download of ``req``'s object: the one in progress, else a new one (a thread fills the cache
+        through :class:`PartScheduler`, the blocks of ``first`` before any other), or a finished one when
+        the cache has the object."""
         hashes = dict(req.hashes)
         etag = req.etag
         version = etag or next((f"{k}:{v}" for k, v in sorted(hashes.items())), None)
         if version is None:
+            with self.parts.cond:  # an unpinned object being downloaded: join that download, no HEAD
+                d = next((d for d in self.parts.active.values() if d.url == req.url and d.size == req.size), None)
+            if d is not None:
+                return d
             info = self.head(HeadRequest(req.url, req.store, req.key))
             etag = info.etag
             version = etag or f"size:{info.size}"
+        key = (req.url, version)
+        checked = {k: v for k, v in hashes.items() if _hasher(k) is not None}
+        source = _Source(self.store(req.store), req.key, etag)
+        with self.parts.cond:
+            d = self.parts.active.get(key)
+            if d is not None:
+                return d
+            d = Download(key, req.url, req.size, source, verified_only=bool(checked))
+            path = ObjectCache(self.cache_dir).lookup(req.url, version, req.size)
+            if path is not None:
+                d.path, d.ended = path, True
+                return d
+            self.parts.want(d, first)
+            self.parts.active[key] = d
+        threading.Thread(target=self._fill, args=(d, req, version, checked), daemon=True,
+                         name="torchforge-fill").start()
+        return d
+
+    def _fill(self, d: Download, req: FetchRequest, version: str, hashes: dict[str, str]) -> None:
         cache = ObjectCache(self.cache_dir, limit=req.cache_limit, policy=req.policy)
-        next_use = {}
+        next_use: dict[str, int] = {}
         for pos, u in enumerate(req.next_use):
             next_use.setdefault(url_key(u), pos)
 
-        downloaded = False
-
         def download(f: IO[bytes]) -> None:
-            nonlocal downloaded
-            downloaded = True
-            pinned = etag
             for full_try in range(2):  # a hash mismatch is downloaded once more before it is an error
-                f.seek(0)
-                hashers = {k: h for k, h in ((k, _hasher(k)) for k in hashes) if h is not None}
-                written = 0
-                for attempt in range(RETRIES + 1):
-                    try:
-                        opts: dict[str, Any] = {}
-                        if pinned:
-                            opts["if_match"] = pinned
-                        if written:
-                            opts["range"] = (written, req.size)
-                        res = obstore.get(store, req.key, options=opts or None)
-                        total = int(res.meta["size"])
-                        if total != req.size:
-                            raise RemoteCorruptError(f"the object has {total} bytes, the index records "
-                                                     f"{req.size}", url=req.url)
-                        pinned = pinned or res.meta.get("e_tag")  # a resumed read stays on this version
-                        for chunk in res.stream(min_chunk_size=_CHUNK):
-                            if written + len(chunk) > req.size:
-                                raise RemoteCorruptError(f"received more than the {req.size} bytes the "
-                                                         "index records", url=req.url)
-                            f.write(chunk)
-                            for h in hashers.values():
-                                h.update(chunk)
-                            written += len(chunk)
-                        if written != req.size:
-                            raise _Transient(f"truncated body: {written} of {req.size} bytes")
-                        break
-                    except Exception as e:  # noqa: BLE001 - classified below
-                        err = _classify(e, req.url)
-                        if not isinstance(err, _Transient):
-                            raise err from None
-                        if attempt == RETRIES:
-                            raise RemoteError(f"download failed after {RETRIES} retries: {err}",
-                                              url=req.url) from None
-                        time.sleep(_backoff(attempt))
-                bad = [k for k, h in hashers.items() if h.hexdigest() != str(hashes[k]).lower()]
-                if not bad:
-                    return
+                self.parts.run(d, f.fileno())
+                bad = _mismatch(f.fileno(), req.size, hashes)
+                if bad is None:
+                    break
                 if full_try == 1:
-                    raise RemoteCorruptError(f"{bad[0]} of the bytes received is {hashers[bad[0]].hexdigest()}, "
-                                             f"the index records {hashes[bad[0]]}", url=req.url)
+                    raise RemoteCorruptError(f"{bad[0]} of the bytes received is {bad[1]}, the index records "
+                                             f"{hashes[bad[0]]}", url=req.url)
+            f.seek(req.size)
 
-        path = cache.fill(req.url, version, req.size, download, next_use=next_use, wait=IN_USE_WAIT)
-        return path, downloaded
+        try:
+            path = cache.fill(req.url, version, req.size, download, next_use=next_use, wait=IN_USE_WAIT)
+        except BaseException as e:  # noqa: BLE001 - every reader of the download raises it
+            self.parts.end(d, error=e)
+        else:
+            self.parts.end(d, path=path)
 
+    def _fetch_part(self, d: Download, start: int, end: int) -> Any:
+        """Bytes ``[start, end)`` of ``d``'s object: one GET (a range GET unless that is the whole object),
+        pinned to the ETag (the one the object had when the download began, else the first reply's),
+        retried; length and object size checked."""
+        import obstore
+
+        src: _Source = d.context
+
+        def once() -> Any:
+            whole = start == 0 and end == d.size  # a plain GET: servers without range support serve it too
+            opts: dict[str, Any] = {} if whole else {"range": (start, end)}
+            if src.etag:
+                opts["if_match"] = src.etag
+            res = obstore.get(src.store, src.key, options=opts or None)
+            total = int(res.meta["size"])
+            if total != d.size:
+                raise RemoteCorruptError(f"the object has {total} bytes, the index records {d.size}", url=d.url)
+            src.etag = src.etag or res.meta.get("e_tag")
+            data = res.bytes()
+            if len(data) != end - start:
+                raise _Transient(f"truncated body: {len(data)} of {end - start} bytes for range [{start}, {end})")
+            return data
+
+        return _retrying(d.url, once)
 
     def put(self, req: PutRequest) -> ObjectInfo:
         """Upload a local file (multipart above obstore's part size); each retry starts the upload over."""
@@ -338,8 +389,8 @@ class _Server:
 
 
 # request type -> the _Server method that serves it
-_HANDLERS = {HeadRequest: "head", RangesRequest: "ranges", FetchRequest: "fetch", PutRequest: "put",
-             ListRequest: "list", DeleteRequest: "delete"}
+_HANDLERS = {HeadRequest: "head", RangesRequest: "ranges", FetchRequest: "fetch", ReadRequest: "read",
+             PutRequest: "put", ListRequest: "list", DeleteRequest: "delete"}
 
 
 def _open_store(spec: StoreSpec) -> Any:

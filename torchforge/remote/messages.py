@@ -13,7 +13,7 @@ from typing import Any
 from torchforge.remote.url import StoreSpec
 
 __all__ = ["COALESCE_GAP", "MAX_MERGED", "DeleteRequest", "FetchRequest", "HeadRequest", "ListRequest",
-           "ObjectInfo", "PutRequest", "RangesRequest", "Reply", "address", "authkey", "check_ranges",
+           "ObjectInfo", "PutRequest", "RangesRequest", "ReadRequest", "Reply", "address", "authkey", "check_ranges",
            "coalesce"]
 
 #: for the KB-sized samples of a batch) while still merging neighbours of one shard.
@@ -58,6 +58,19 @@ class FetchRequest:
     cache_limit: int | None
     policy: str
     next_use: tuple[str, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """Ranges of the object ``fetch`` names, read from its download into the cache (see
+    :mod:`torchforge.remote.parts`)."""
+
+    fetch: FetchRequest
+    ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def url(self) -> str:
+        return self.fetch.url
 
 
 @dataclass(frozen=True)
