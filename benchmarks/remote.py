@@ -13,9 +13,9 @@ cache folder per run, two epochs (the first cold, the second over the filled cac
 
   torchforge shards   ``torchforge.open_dataset("s3://...", mode="shards", cache_dir=...)`` in
                       ``torchforge.DataLoader(sampler=GlobalSampler(ds, seed=...))``: whole shards fetched on
-                      first use into the node cache, one download per shard per node (8 MiB range GETs in
+                      first use into the node cache, one download per shard per node (16 MiB range GETs in
                       parallel); a batch reads samples of a shard still downloading from the download, its
-                      1 MiB blocks fetched first (extra GETs, no extra bytes).
+                      2 MiB blocks fetched first (extra GETs, no extra bytes).
   torchforge ranges   the same with ``mode="ranges"``: each batch is one coalesced range GET per shard it
                       touches (``__getitems__``); no shard is cached, so the second epoch fetches again.
   Streaming           ``StreamingDataset(remote="s3://...", local=<fresh>, shuffle=True, batch_size=...,
@@ -41,8 +41,8 @@ Then the same with ``cache_limit`` at 1/4 of the dataset (raised to Streaming's 
 shard, if 1/4 is below it; the same limit for everybody), two epochs each: bytes refetched = bytes fetched
 over the two epochs minus one copy of the dataset. Rows: torchforge shards with Belady's rule
 (``cache_policy="belady"``, the default) and with LRU (``cache_policy="lru"``), each with the exact shuffle
-and with a block shuffle (``GlobalSampler(bucket_size=<samples per shard>)``: buckets of a shard's worth
-of consecutive samples, shuffled among themselves and within); torchforge ranges (no cache: its figures
+and with a shard shuffle (``GlobalSampler(bucket_size="shards")``: the shards in a random order, each
+one's samples shuffled and read before the next shard's); torchforge ranges (no cache: its figures
 are the uncapped run's); Streaming with its default shuffle and with ``shuffle_block_size`` = 2 shards'
 samples (its docs: the block size sets how many shards are live at once; 2 shards' worth keeps that under
 the limit), the latter at both predownload settings (its refetched bytes vary from run to run: the lower
@@ -482,7 +482,7 @@ def main() -> None:
                  "largest shard") + "):", flush=True)
         policies = has_cache_policy()
         capped: dict[str, Result | str] = {}
-        for shuffle, bucket in (("exact shuffle", None), ("block shuffle", lay.samples_per_shard)):
+        for shuffle, bucket in (("exact shuffle", None), ("shard shuffle", "shards")):
             for policy in ("belady", "lru"):
                 name = f"torchforge shards {policy}, {shuffle}"
                 if not policies and policy == "lru":
@@ -569,7 +569,7 @@ def main() -> None:
     st_capped = {k: v for k, v in refetched.items() if k.startswith("Streaming") and not math.isnan(v)}
     st_ref_name = min(st_capped, key=st_capped.get) if st_capped else None
     belady_vs_lru = [(f"torchforge shards belady, {s}", f"torchforge shards lru, {s}")
-                     for s in ("exact shuffle", "block shuffle")]
+                     for s in ("exact shuffle", "shard shuffle")]
     for b, lr in belady_vs_lru:
         if b in refetched and lr in refetched:
             print(f"  Belady vs LRU ({b.split(', ')[1]}): refetched {fmt_bytes(refetched[b])} vs "

@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1148,22 +1149,30 @@ def test_a_jinx_dataset_at_an_http_url_is_found_by_probing_and_read_with_ranges(
         server.shutdown()
 
 
+def _put_columns(put, local, prefix: str, per_shard: int, samples) -> tuple[Any, int]:
+    """``samples`` written as safetensors column shards in ``local`` and uploaded below ``prefix``; returns
+    the local dataset (the expected samples) and the bytes uploaded."""
+    import torchforge
+    from torchforge.datasets.safetensors import SafetensorsShardWriter
+
+    with SafetensorsShardWriter(local, samples_per_shard=per_shard) as w:
+        for sample in samples:
+            w.write(sample)
+    return torchforge.SafetensorsDataset(str(local)), _upload_folder(put, str(local), prefix)
+
+
 def test_safetensors_shards_at_an_s3_url_read_like_local_ones_and_a_bad_header_names_the_url(env, tmp_path):
     import torch
 
     import torchforge
     from torchforge.datasets.remote import RemoteSafetensorsDataset
-    from torchforge.datasets.safetensors import SafetensorsShardWriter
     from torchforge.errors import SafetensorsError
 
     _client, proxy, put = env
     local = tmp_path / "st"
     g = torch.Generator().manual_seed(5)
-    with SafetensorsShardWriter(local, samples_per_shard=7) as w:
-        for i in range(40):
-            w.write({"ids": torch.randint(0, 9, (300 + i % 5,), generator=g), "y": torch.tensor(float(i))})
-    expected = torchforge.SafetensorsDataset(str(local))
-    total = _upload_folder(put, str(local), "st/a")
+    expected, total = _put_columns(put, local, "st/a", 7, ({"ids": torch.randint(0, 9, (300 + i % 5,), generator=g),
+                                                            "y": torch.tensor(float(i))} for i in range(40)))
     url = f"s3://{BUCKET}/st/a"
     proxy.reset()
     ds = torchforge.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
@@ -1187,6 +1196,39 @@ def test_safetensors_shards_at_an_s3_url_read_like_local_ones_and_a_bad_header_n
     with pytest.raises(SafetensorsError, match=names[2]) as e:
         torchforge.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
     assert "s3://" in str(e.value)
+
+
+def test_safetensors_shards_at_a_url_in_ranges_mode_read_rows_by_coalesced_ranges(env, tmp_path):
+    import torch
+
+    import torchforge
+    from torchforge.sampler import GlobalSampler
+
+    _client, proxy, put = env
+    g = torch.Generator().manual_seed(6)
+    expected, _ = _put_columns(put, tmp_path / "str", "st/r", 10, (
+        {"ids": torch.randint(0, 9, (200 + 7 * i,), generator=g),  # ragged
+         "emb": torch.randn(4, 3, generator=g).to(torch.bfloat16), "y": torch.tensor(float(i))} for i in range(50)))
+    ds = torchforge.open_dataset(f"s3://{BUCKET}/st/r", mode="ranges", cache_dir=tmp_path / "cache",
+                                 storage_options=_via(proxy))
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+    proxy.reset()
+    got = [s for k in range(0, 50, 10) for s in ds.__getitems__(list(range(k, k + 10)))]
+    assert all(same(got[i], expected[i]) for i in range(50))
+    wanted = sum(t.numel() * t.element_size() for i in range(50) for t in expected[i].values())
+    offsets = 5 * 11 * 8  # each shard's ragged offsets, read once
+    assert proxy.bytes_sent <= 1.1 * wanted + offsets  # the rows' bytes, not the shards
+    assert len(proxy.gets) < 50 / 2  # a batch's rows of one shard: one coalesced read, and one for the offsets
+    assert not os.listdir(tmp_path / "cache" / "remote" / "objects")  # no shard downloaded
+    assert same(ds[-1], expected[49]) and same(ds.__getitems__([47, 3, -50])[2], expected[0])
+    sampler = GlobalSampler(len(ds), seed=1)
+    loader = torchforge.DataLoader(ds, batch_size=8, sampler=sampler, num_workers=2, collate_fn=list)
+    seen = [s for b in loader for s in b]
+    assert [int(s["y"]) for s in seen] == sampler.indices(0, 50).tolist()
+    assert all(same(s, expected[int(s["y"])]) for s in seen)
 
 
 def test_cli_inspect_and_verify_a_jinx_url_and_name_a_damaged_shard(env, tmp_path, capsys):

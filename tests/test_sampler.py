@@ -154,6 +154,45 @@ def test_buckets_without_a_key_are_contiguous_index_ranges():
     assert sorted(order[100:].tolist()) == [100, 101, 102]
 
 
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 30), min_size=1, max_size=12), seed=st.integers(0, 5),
+       world=st.integers(1, 3), frac=st.floats(0, 1))
+def test_shard_buckets_read_one_shard_at_a_time(sizes, seed, world, frac):
+    n = sum(sizes)
+    bounds = np.cumsum([0, *sizes])
+    shard_of = np.searchsorted(bounds, np.arange(n), side="right") - 1
+    s = GlobalSampler(n, seed=seed, bucket_size="shards", shard_sizes=sizes)
+    for epoch in (0, 1):
+        s.set_epoch(epoch)
+        order = s.global_indices(0, n)
+        assert sorted(order.tolist()) == list(range(n))
+        runs = [k for k, _ in itertools.groupby(shard_of[order].tolist())]
+        assert len(runs) == len(set(runs))  # each shard's samples are read together, then never again
+    # a dataset's own shard boundaries; ranks share the order; resume at another world size
+    ds = type("Shards", (), {"shard_sizes": sizes, "__len__": lambda self: n})()
+    whole = GlobalSampler(ds, seed=seed, bucket_size="shards").global_indices(0, n).tolist()
+    everyone = [GlobalSampler(ds, seed=seed, bucket_size="shards", rank=r, world_size=world) for r in range(world)]
+    assert interleave([list(r) for r in everyone])[:n] == whole
+    k = int(frac * len(everyone[0]))
+    rest = GlobalSampler(ds, seed=seed, bucket_size="shards")
+    rest.load_state_dict(everyone[0].state_at(k))
+    assert list(rest) == whole[min(k * world, n):]
+
+
+def test_shard_buckets_need_boundaries_and_no_sort_key():
+    with pytest.raises(SamplerError, match="shard boundaries"):
+        GlobalSampler(10, bucket_size="shards")
+    with pytest.raises(SamplerError, match="sort_key"):
+        GlobalSampler(10, bucket_size="shards", shard_sizes=[5, 5], sort_key=np.arange(10))
+    with pytest.raises(SamplerError, match="add up"):
+        GlobalSampler(10, bucket_size="shards", shard_sizes=[5, 4])
+    with pytest.raises(SamplerError, match="bucket_size"):
+        GlobalSampler(10, bucket_size="blocks")
+    a = GlobalSampler(10, bucket_size="shards", shard_sizes=[5, 5]).state_dict()
+    with pytest.raises(SamplerError, match="order"):  # other shard boundaries: another order
+        GlobalSampler(10, bucket_size="shards", shard_sizes=[4, 6]).load_state_dict(a)
+
+
 def test_no_shuffle_no_sort_is_identity_and_padding_repeats_start():
     outs = [list(s) for s in ranks(7, 3, shuffle=False)]
     assert outs == [[0, 3, 6], [1, 4, 0], [2, 5, 1]]

@@ -132,17 +132,28 @@ class EpochOrder:
             ``shuffle`` the full buckets are permuted among themselves and each bucket's contents are
             permuted, while the last, partial bucket (``n % bucket_size`` positions) stays at the end
             with its contents permuted.
+        bucket_bounds: instead of ``bucket_size``, buckets of any sizes: the sorted starts of the
+            buckets followed by ``n`` (e.g. the first index of every shard); with ``shuffle`` the buckets
+            are permuted among themselves and each one's contents are permuted.
     """
 
     def __init__(self, n: int, key: int, *, shuffle: bool, ranked: np.ndarray | None = None,
-                 bucket_size: int | None = None) -> None:
+                 bucket_size: int | None = None, bucket_bounds: np.ndarray | None = None) -> None:
         self.n = n
         self.ranked = ranked
         self.bucket_size = bucket_size
         self._whole = self._buckets = self._within = self._tail = None
+        self._slots: np.ndarray | None = None
         if not shuffle:
             return
-        if bucket_size is None:
+        if bucket_bounds is not None:
+            bounds = np.asarray(bucket_bounds, dtype=np.int64)
+            self._starts, self._sizes = bounds[:-1], np.diff(bounds)
+            self._slots = Permutation(len(self._sizes), mix64(key, 2))(np.arange(len(self._sizes), dtype=np.int64))
+            self._slot_starts = np.concatenate([[0], np.cumsum(self._sizes[self._slots])[:-1]]).astype(np.int64)
+            self._within_of: dict[int, Permutation] = {}  # bucket size -> the permutation of its contents
+            self._key = key
+        elif bucket_size is None:
             self._whole = Permutation(n, mix64(key, 1))
         else:
             self._full = (n // bucket_size) * bucket_size
@@ -157,7 +168,23 @@ class EpochOrder:
             q = self._whole(q)
         elif self._buckets is not None:
             q = self._bucketed(q)
+        elif self._slots is not None:
+            q = self._bucketed_by_bounds(q)
         return q if self.ranked is None else self.ranked[q]
+
+    def _bucketed_by_bounds(self, q: np.ndarray) -> np.ndarray:
+        slot = np.searchsorted(self._slot_starts, q, side="right") - 1
+        bucket = self._slots[slot]
+        offset = q - self._slot_starts[slot]
+        sizes = self._sizes[bucket]
+        out = np.empty_like(q)
+        for size in np.unique(sizes).tolist():
+            m = sizes == size
+            perm = self._within_of.get(size)
+            if perm is None:
+                perm = self._within_of[size] = Permutation(size, mix64(self._key, 3))
+            out[m] = self._starts[bucket[m]] + perm(offset[m], tweak=bucket[m])
+        return out
 
     def _bucketed(self, q: np.ndarray) -> np.ndarray:
         b = self.bucket_size

@@ -77,6 +77,11 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
             range) into buckets of this many consecutive positions and shuffle the full buckets among
             themselves *and* the contents of each bucket; the last, partial bucket stays last. With
             ``bucket_size = batch_size * world_size`` each global batch is one bucket of similar keys.
+            ``"shards"``: one bucket per shard of the dataset (its shard boundaries, as ``shard_affinity``
+            reads them, or ``shard_sizes``): the shards in a random order, each one's samples shuffled
+            and read before the next shard's, so a reader needs about one shard at a time (a cache that
+            holds a few shards fetches each shard once per epoch; MosaicML Streaming's ``py1s``). Not
+            with ``sort_key``.
         rank: this rank; default ``torch.distributed.get_rank()`` when initialised, else 0.
         world_size: number of ranks; default ``torch.distributed.get_world_size()`` when
             initialised, else 1.
@@ -89,7 +94,7 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
             local world size; :meth:`global_indices` does not exist (see :meth:`node_indices`).
         shard_sizes: the number of samples of each shard, in index order (shard ``i`` holds the
             indices after those of shards ``0..i-1``); they must add up to the dataset's length.
-            Only with ``shard_affinity``.
+            Only with ``shard_affinity`` or ``bucket_size="shards"``.
         local_world_size: ranks per node; default the ``LOCAL_WORLD_SIZE`` environment variable
             (set by torchrun), else ``world_size`` (a single node). Ranks are numbered node by node:
             this rank's node is ``rank // local_world_size`` and its local rank
@@ -108,7 +113,7 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
 
     def __init__(self, dataset_or_len: Any, *, shuffle: bool = True, seed: int = 0,
                  sort_key: str | Callable[[Any], Any] | Sequence[Any] | np.ndarray | torch.Tensor | None = None,
-                 descending: bool = False, bucket_size: int | None = None, rank: int | None = None,
+                 descending: bool = False, bucket_size: int | str | None = None, rank: int | None = None,
                  world_size: int | None = None, drop_last: bool = False, shard_affinity: bool = False,
                  shard_sizes: Sequence[int] | np.ndarray | None = None,
                  local_world_size: int | None = None) -> None:
@@ -116,9 +121,20 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.descending = bool(descending)
-        if bucket_size is not None and (isinstance(bucket_size, bool) or int(bucket_size) < 1):
-            raise SamplerError(f"{bucket_size=} must be a positive integer or None")
-        self.bucket_size = None if bucket_size is None else int(bucket_size)
+        self._bounds: np.ndarray | None = None  # with bucket_size="shards": the shards' first indices, then n
+        if bucket_size == "shards":
+            if sort_key is not None:
+                raise SamplerError('bucket_size="shards" shuffles the shards of the index range: it takes no '
+                                   "sort_key")
+            if shard_affinity:
+                raise SamplerError("shard_affinity shuffles within each node's shards: it takes no sort_key "
+                                   "or bucket_size")
+            sizes = _shard_sizes(dataset_or_len, shard_sizes, self.n, 'bucket_size="shards"')
+            self._bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            shard_sizes = None
+        elif bucket_size is not None and (isinstance(bucket_size, (bool, str)) or int(bucket_size) < 1):
+            raise SamplerError(f"{bucket_size=} must be a positive integer, \"shards\" or None")
+        self.bucket_size = bucket_size if bucket_size is None or bucket_size == "shards" else int(bucket_size)
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.drop_last = bool(drop_last)
         self._ranked = None if sort_key is None else _sort_order(dataset_or_len, sort_key, self.n, descending)
@@ -371,7 +387,8 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         if self._cached_order is None or self._cached_order[0] != self.epoch:
             shuffle = self.shuffle and (self._ranked is None or self.bucket_size is not None)
             order = EpochOrder(self.n, mix64(self.seed, self.epoch), shuffle=shuffle, ranked=self._ranked,
-                               bucket_size=self.bucket_size)
+                               bucket_size=None if self._bounds is not None else self.bucket_size,
+                               bucket_bounds=self._bounds)
             self._cached_order = (self.epoch, order)
         return self._cached_order[1]
 
@@ -380,6 +397,8 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
             self._digest = hashlib.blake2b(memoryview(self._ranked), digest_size=16).hexdigest()
         out: dict[str, Any] = {"shuffle": self.shuffle, "seed": self.seed, "bucket_size": self.bucket_size,
                                "descending": self.descending, "sorted": self._digest}
+        if self._bounds is not None:
+            out["shards"] = hashlib.blake2b(memoryview(self._bounds), digest_size=8).hexdigest()
         if self._affinity is not None:
             out["affinity"] = self._affinity.fingerprint()
         return out
@@ -542,13 +561,14 @@ def _local_world_size(local_world_size: int | None, world_size: int) -> tuple[in
     return local, from_env
 
 
-def _shard_sizes(dataset: Any, shard_sizes: Sequence[int] | np.ndarray | None, n: int) -> np.ndarray:
+def _shard_sizes(dataset: Any, shard_sizes: Sequence[int] | np.ndarray | None, n: int,
+                 option: str = "shard_affinity") -> np.ndarray:
     """Per-shard sample counts: the explicit ones, else the dataset's; checked to add up to ``n``."""
     source = "shard_sizes"
     if shard_sizes is None:
         shard_sizes, source = _dataset_shard_sizes(dataset)
         if shard_sizes is None:
-            raise SamplerError(f"shard_affinity needs shard boundaries, and {type(dataset).__name__} has none: "
+            raise SamplerError(f"{option} needs shard boundaries, and {type(dataset).__name__} has none: "
                                "pass shard_sizes=[samples of each shard, in index order]")
     try:
         sizes = np.asarray(shard_sizes)

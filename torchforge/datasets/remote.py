@@ -34,7 +34,9 @@ removes a file a reader maps, so the disk the cache uses is the files it can cou
 JINX (:class:`RemoteJinxDataset`) and safetensors column shards (:class:`RemoteSafetensorsDataset`) have
 no index of the whole dataset: the folder is listed (probed over ``http(s)://``), each shard's footer or
 header is read with small range reads, and every object's ETag is pinned; shards (and JINX sidecars) are
-then fetched whole on first use like MDS shards. They read in ``mode="shards"`` only.
+then fetched whole on first use like MDS shards. Safetensors shards also read in ``mode="ranges"``: a
+sample is one row of each column (a ragged column's rows between two of its offsets, read once per shard),
+a batch one coalesced read per shard as for MDS. JINX reads in ``mode="shards"`` only.
 """
 from __future__ import annotations
 
@@ -54,22 +56,23 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import orjson
+import torch
 
 from torchforge._limits import ensure_open_files
 from torchforge.datasets.jinx import JinxDataset
 from torchforge.datasets.mds import MDSDataset
-from torchforge.datasets.safetensors import SafetensorsDataset
+from torchforge.datasets.safetensors import OFFSETS, SafetensorsDataset
 from torchforge.errors import CorruptShardError, FormatError, SafetensorsError
 from torchforge.formats.jinx_reader import JinxShard
 from torchforge.formats.mds import INDEX_BASENAME
 from torchforge.formats.mds_reader import SampleDecoder, ShardMeta
-from torchforge.formats.safetensors import MAX_HEADER_SIZE, SafetensorsFile, parse_header
+from torchforge.formats.safetensors import MAX_HEADER_SIZE, SafetensorsFile, parse_header, storage_shape
 from torchforge.remote import FetcherClient, RemoteNotFoundError, connect, is_remote
 from torchforge.sizes import parse_size
 
@@ -119,6 +122,7 @@ class _RemoteShards:
         self._plan: list[int] = []  # shards in the order of first use, as the last prefetch() was told
         self._prefetcher: tuple[int, threading.Thread, threading.Event] | None = None  # (pid, thread, stop)
         self._bypass = False  # this process reads uncached shards by ranges (see RemoteMDSDataset)
+        self._complete: set[int] = set()  # shards seen cached or mapped (mode="shards", no cache_limit)
 
     # --- what a subclass supplies -------------------------------------------------------------------
     def _objects(self, k: int) -> list[tuple[str, int, str | None, dict[str, str] | None]]:
@@ -183,6 +187,40 @@ class _RemoteShards:
                 out[name] = (u, info.size, info.etag)
         raise AssertionError("unreachable")
 
+    # --- reading byte ranges (mode="ranges", and early reads of downloads in progress) ------------------
+    def _read_spans(self, shards: list[int], spans_of: Callable[[Any, int], list[tuple[int, int]]],
+                    early: bool = False) -> dict[int, _Spans]:
+        """Each shard's byte spans ``spans_of(client, k)`` (merged where the gaps cost at most
+        ``RANGE_WASTE`` of the bytes wanted), read with one request per shard, ``READERS`` shards at a time
+        on their own connections: by range GETs, or with ``early`` from the shards' downloads into the
+        node's cache (:meth:`_download_read`)."""
+        clients = self._clients()
+
+        def read(n: int, k: int) -> _Spans:
+            client = clients[n % len(clients)]
+            merged = _merge(sorted(set(spans_of(client, k))), RANGE_WASTE)
+            if early:
+                return _Spans(merged, self._download_read(client, k, merged))
+            url, _, etag, _ = self._objects(k)[0]
+            return _Spans(merged, client.get_ranges(url, merged, etag=etag, gap=0,
+                                                    storage_options=self.storage_options))
+
+        if len(shards) == 1:
+            return {shards[0]: read(0, shards[0])}
+        assert self._client_of is not None
+        return dict(zip(shards, self._client_of[2].map(read, range(len(shards)), shards)))
+
+    def _download_read(self, client: Any, k: int, spans: list[tuple[int, int]]) -> list[bytes]:
+        """``spans`` of shard ``k`` read from its download into the node's cache (see
+        :meth:`RemoteMDSDataset._early_batch`); a shard found complete is mapped from then on."""
+        url, size, etag, hashes = self._objects(k)[0]
+        blobs, path = client.read(url, size, spans, hashes=hashes, etag=etag, policy=self.cache_policy,
+                                  next_use=self._next_use(k), storage_options=self.storage_options)
+        if path is not None:
+            self._fetched[k] = [path]
+            self._complete.add(k)
+        return blobs
+
     # --- fetching and holding -----------------------------------------------------------------------
     def _mapped(self, k: int) -> Any:
         """Shard ``k`` mapped, fetched into the node's cache first if absent.
@@ -232,7 +270,7 @@ class _RemoteShards:
             warnings.warn(f"{self.url}: this process mapped its shards {self._maps_made - 1} times ({shards} shards): "
                           f"cache_limit={self.cache_limit} bytes is small for this read order, and whole shards are "
                           "fetched again and again for a few samples each. mode='ranges' reads only the samples' "
-                          "bytes; GlobalSampler(bucket_size=<samples per shard>) keeps a shard's samples together",
+                          "bytes; GlobalSampler(bucket_size=\"shards\") reads one shard at a time",
                           RuntimeWarning, stacklevel=2)
         return shard
 
@@ -418,7 +456,6 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         self._first = list(self._bounds)
         self._offsets: dict[int, list[int]] = {}
         self._decoders: dict[int, Any] = {}
-        self._complete: set[int] = set()  # shards seen cached or mapped (mode="shards", no cache_limit)
         if mode == "ranges":
             whole = [m.zip_basename for m in self.metas if m.zip_basename is not None]
             if whole:
@@ -451,17 +488,6 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
             self._offsets[k] = offs
         return offs
 
-    def _download_read(self, client: Any, k: int, spans: list[tuple[int, int]]) -> list[bytes]:
-        """``spans`` of shard ``k`` read from its download into the node's cache (see :meth:`_early_batch`);
-        a shard found complete is mapped from then on."""
-        url, size, etag, hashes = self._objects(k)[0]
-        blobs, path = client.read(url, size, spans, hashes=hashes, etag=etag, policy=self.cache_policy,
-                                  next_use=self._next_use(k), storage_options=self.storage_options)
-        if path is not None:
-            self._fetched[k] = [path]
-            self._complete.add(k)
-        return blobs
-
     def _decoder(self, k: int) -> Any:
         dec = self._decoders.get(k)
         if dec is None:
@@ -484,30 +510,17 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         for pos, i in enumerate(indices):
             k, j = self._locate(i)
             by_shard.setdefault(k, []).append((pos, j))
-        out: list[Any] = [None] * len(indices)
-        clients = self._clients()
 
-        def read(n: int, k: int) -> tuple[list[tuple[int, int]], list[bytes]]:
-            client = clients[n % len(clients)]
+        def spans(client: Any, k: int) -> list[tuple[int, int]]:
             offs = self._offsets_of(k, client, early)
-            merged = _merge(sorted({(offs[j], offs[j + 1]) for _, j in by_shard[k]}), RANGE_WASTE)
-            if early:
-                return merged, self._download_read(client, k, merged)
-            return merged, client.get_ranges(self._shard_url(k), merged, gap=0, storage_options=self.storage_options)
+            return [(offs[j], offs[j + 1]) for _, j in by_shard[k]]
 
-        shards = list(by_shard)
-        if len(shards) == 1:
-            results = [read(0, shards[0])]
-        else:  # the shards' requests at once, one connection each (READERS at a time)
-            assert self._client_of is not None
-            results = list(self._client_of[2].map(read, range(len(shards)), shards))
-        for k, (merged, blobs) in zip(shards, results):
+        got = self._read_spans(list(by_shard), spans, early)
+        out: list[Any] = [None] * len(indices)
+        for k, rows in by_shard.items():
             offs = self._offsets[k]
-            for pos, j in by_shard[k]:
-                b, e = offs[j], offs[j + 1]
-                r = bisect.bisect_right(merged, (b, float("inf"))) - 1
-                start = merged[r][0]
-                out[pos] = self._decode(k, j, bytes(blobs[r][b - start:e - start]))
+            for pos, j in rows:
+                out[pos] = self._decode(k, j, got[k].get(offs[j], offs[j + 1]))
         return out
 
     def _get(self, i: int) -> Any:
@@ -681,6 +694,19 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         return self._remote_state(super().__getstate__())
 
 
+class _Spans:
+    """Merged byte spans of one object and their bytes; :meth:`get` cuts out any range inside them."""
+
+    def __init__(self, merged: list[tuple[int, int]], blobs: list[bytes]) -> None:
+        self.merged = merged
+        self.blobs = blobs
+
+    def get(self, b: int, e: int) -> bytes:
+        r = bisect.bisect_right(self.merged, (b, float("inf"))) - 1
+        start = self.merged[r][0]
+        return bytes(self.blobs[r][b - start:e - start])
+
+
 def _merge(spans: list[tuple[int, int]], waste: float) -> list[tuple[int, int]]:
     """Sorted byte ranges merged across their smallest gaps while the gap bytes fetched stay within
     ``waste`` of the bytes the ranges hold (touching ranges always merge)."""
@@ -750,8 +776,6 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
                  cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
                  mode: str = "shards", cache_policy: str = "belady",
                  storage_options: Mapping[str, Any] | None = None) -> None:
-        if mode == "ranges":
-            raise ValueError("mode='ranges' reads MDS datasets; a JINX dataset at a URL is read with mode='shards'")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error={on_error!r} is not one of ['raise', 'skip']")
         self._remote_setup(url, None, cache_dir, cache_limit, mode, cache_policy, storage_options)
@@ -766,6 +790,9 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         names = sorted(n for n in listed if n.startswith("shard-") and n.endswith(".jinx"))
         if not names:
             raise FormatError("folder holds no shard-*.jinx objects", path=self.url)
+        if mode == "ranges":
+            raise ValueError(f"{self.url}: mode='ranges' reads MDS and safetensors datasets; a JINX dataset at a "
+                             "URL is read with mode='shards'")
         kept = []
         for name in names:
             u, size, etag = listed[name]
@@ -852,20 +879,21 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
 
 
 class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
-    """A folder of safetensors column shards at a URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``),
-    ``mode="shards"``.
+    """A folder of safetensors column shards at a URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``).
 
     Opening lists the folder (an ``http(s)://`` one is probed for ``shard-00000.safetensors``, ...) and
     reads each shard's header with two small range reads (its columns and sample count), pinning every
     object's ETag; a shard is fetched whole into the node's cache on first use, held in use while mapped
     and read as a local shard (zero-copy views into its map: a sample keeps its shard mapped while it
-    lives). ``cache_limit``, ``cache_policy`` and prefetching work as for :class:`RemoteMDSDataset`.
+    lives). ``cache_limit``, ``cache_policy`` and prefetching work as for :class:`RemoteMDSDataset`. With
+    ``mode="ranges"`` no shard is fetched: a batch's rows are read by byte ranges, one coalesced read per
+    shard it touches, into tensors of their own.
 
     Args:
         url: the folder's URL.
         columns: as :class:`~torchforge.datasets.safetensors.SafetensorsDataset`.
         cache_dir, cache_limit, cache_policy, storage_options: as :class:`RemoteMDSDataset`.
-        mode: ``"shards"`` only (``"ranges"`` raises ValueError).
+        mode: ``"shards"`` or ``"ranges"``.
 
     Raises:
         RemoteNotFoundError: nothing at the URL.
@@ -876,9 +904,6 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
     def __init__(self, url: str, *, columns: Any = None, cache_dir: str | os.PathLike | None = None,
                  cache_limit: int | str | None = None, mode: str = "shards", cache_policy: str = "belady",
                  storage_options: Mapping[str, Any] | None = None) -> None:
-        if mode == "ranges":
-            raise ValueError("mode='ranges' reads MDS datasets; safetensors shards at a URL are read with "
-                             "mode='shards'")
         self._remote_setup(url, None, cache_dir, cache_limit, mode, cache_policy, storage_options)
         client = self._client()
         listed = self._listing(client, (".safetensors",))
@@ -888,6 +913,7 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
         self.path = self.url
         self._cols, self._ends = [], []
         self._remote_objs = []
+        self._heads: list[tuple[int, dict[str, Any]]] = []  # (data start, header entries) per shard
         for name in names:
             u, size, etag = listed[name]
             (head,) = client.get_ranges(u, [(0, min(8, size))], etag=etag, storage_options=self.storage_options)
@@ -896,12 +922,83 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
                 if n <= MAX_HEADER_SIZE and 8 + n <= size:
                     (rest,) = client.get_ranges(u, [(8, 8 + n)], etag=etag, storage_options=self.storage_options)
                     head += rest
-            _, infos, meta = parse_header(head, size, u)
+            n, infos, meta = parse_header(head, size, u)
             self._add_shard(infos, meta, columns, u)
             self._remote_objs.append([(u, size, etag, None)])
+            self._heads.append((8 + n, infos))
         self._files = [""] * len(names)
         self._open = {}
         self._first = [0, *self._ends]
+        self._ragged: dict[tuple[int, str], np.ndarray] = {}  # (shard, column) -> offsets (mode="ranges")
+
+    # --- mode="ranges" ------------------------------------------------------------------------------
+    def __getitem__(self, i: int) -> Any:
+        if self.mode == "ranges":
+            return self.__getitems__([i])[0]
+        return super().__getitem__(i)
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """A batch of samples; in ``mode="ranges"`` each sample's rows are read by byte ranges, one
+        coalesced read per shard the batch touches."""
+        n = len(self)
+        idx = [operator.index(i) for i in indices]
+        for i in idx:
+            if not -n <= i < n:
+                raise IndexError(f"index {i} out of range for SafetensorsDataset of {n} samples")
+        idx = [i + n if i < 0 else i for i in idx]
+        if self.mode != "ranges":
+            return [self._get(i) for i in idx]
+        by_shard: dict[int, list[tuple[int, int]]] = {}
+        for pos, i in enumerate(idx):
+            s = bisect.bisect_right(self._ends, i)
+            by_shard.setdefault(s, []).append((pos, i - (self._ends[s - 1] if s else 0)))
+
+        def spans(client: Any, s: int) -> list[tuple[int, int]]:
+            return [self._row_span(client, s, c, j) for _, j in by_shard[s] for c in self._cols[s]]
+
+        got = self._read_spans(list(by_shard), spans)
+        out: list[Any] = [None] * len(idx)
+        for s, rows in by_shard.items():
+            for pos, j in rows:
+                out[pos] = {c: self._row_tensor(s, c, j, got[s]) for c in self._cols[s]}
+        return out
+
+    def _row_span(self, client: Any, s: int, c: str, j: int) -> tuple[int, int]:
+        """The bytes of sample ``j`` of column ``c`` in shard ``s``: row ``j`` of the column as a local shard
+        exposes it, or a ragged column's rows ``offsets[j]:offsets[j + 1]`` (its offsets read once, one
+        range, and checked as a local shard's are)."""
+        start, infos = self._heads[s]
+        info = infos[c]
+        url = self._objects(s)[0][0]
+        rows = storage_shape(info, url)[1][0]
+        width = (info.end - info.start) // rows if rows else 0  # bytes per row
+        lo, hi = j, j + 1
+        if self._cols[s][c]:
+            off = self._ragged.get((s, c))
+            if off is None:
+                oi = infos[c + OFFSETS]
+                (raw,) = client.get_ranges(url, [(start + oi.start, start + oi.end)], etag=self._objects(s)[0][2],
+                                           storage_options=self.storage_options)
+                off = np.frombuffer(raw, dtype="<i8")
+                bad = np.flatnonzero(np.diff(off) < 0)
+                if len(off) != oi.shape[0] or off[0] != 0 or off[-1] != rows or bad.size:
+                    at = int(bad[0]) + 1 if bad.size else (0 if off[0] != 0 else len(off) - 1)
+                    raise CorruptShardError(f"offsets of ragged column {c!r} must rise from 0 to {rows}; offset "
+                                            f"{at} is {off[at]}", path=url, offset=start + oi.start + 8 * at)
+                self._ragged[(s, c)] = off
+            lo, hi = int(off[j]), int(off[j + 1])
+        return start + info.start + lo * width, start + info.start + hi * width
+
+    def _row_tensor(self, s: int, c: str, j: int, spans: _Spans) -> torch.Tensor:
+        """Sample ``j``'s value of column ``c`` from the bytes read: what a local shard's ``t[j]`` (or
+        ``t[offsets[j]:offsets[j + 1]]``) holds, as a tensor of its own."""
+        dtype, shape = storage_shape(self._heads[s][1][c], self._objects(s)[0][0])
+        b, e = self._row_span(None, s, c, j)
+        off = self._ragged.get((s, c))
+        out = (*(() if off is None else (int(off[j + 1] - off[j]),)), *shape[1:])
+        if e == b:
+            return torch.empty(out, dtype=dtype)
+        return torch.frombuffer(bytearray(spans.get(b, e)), dtype=torch.uint8).view(dtype).reshape(out)
 
     def _shard(self, s: int) -> Any:
         held = self._held_here()

@@ -328,7 +328,7 @@ def read_header(path: str | os.PathLike) -> tuple[int, dict[str, TensorInfo], di
 
 
 # --- reading -----------------------------------------------------------------------------------------
-def _storage_shape(info: TensorInfo, path: str) -> tuple[torch.dtype, tuple[int, ...]]:
+def storage_shape(info: TensorInfo, path: str) -> tuple[torch.dtype, tuple[int, ...]]:
     """The torch dtype and shape a header entry is exposed as."""
     dt = DTYPES[info.dtype][1]
     if any(d >= 2**63 for d in info.shape):
@@ -377,7 +377,7 @@ class SafetensorsFile(Mapping):
         t = self._cache.get(name)
         if t is None:
             info = self.infos[name]
-            dtype, shape = _storage_shape(info, self.path)
+            dtype, shape = storage_shape(info, self.path)
             count = info.end - info.start
             if count == 0:
                 t = torch.empty(shape, dtype=dtype)

@@ -24,8 +24,8 @@ from typing import Any
 
 __all__ = ["BLOCK", "PART", "THREADS", "URGENT_THREADS", "Download", "PartScheduler"]
 
-BLOCK = int(os.environ.get("TORCHFORGE_FETCH_BLOCK") or 1 << 20)  # what a download tracks, and a reader waits for
-PART = 8 * BLOCK  # the most bytes of one range GET in order (a download's parts that nobody waits for)
+BLOCK = int(os.environ.get("TORCHFORGE_FETCH_BLOCK") or 2 << 20)  # what a download tracks, and a reader waits for
+PART = int(os.environ.get("TORCHFORGE_FETCH_PART") or 8 * BLOCK)  # the most bytes of one GET in order
 THREADS = int(os.environ.get("TORCHFORGE_FETCH_THREADS") or 8)  # range GETs in order in flight per fetcher
 URGENT_THREADS = 8  # more threads that fetch only blocks readers wait for (they never queue behind the rest)
 
@@ -192,7 +192,7 @@ class PartScheduler:
             while d.cursor < d.blocks and d.state[d.cursor] != _TODO:
                 d.cursor += 1
             if d.cursor < d.blocks:
-                return d, d.cursor, d.run_from(d.cursor, PART // BLOCK), False
+                return d, d.cursor, d.run_from(d.cursor, max(1, PART // BLOCK)), False
         return None
 
     def _work(self, urgent_only: bool) -> None:
