@@ -358,6 +358,20 @@ def test_parts_under_faults_and_hashes(env, tmp_path, monkeypatch):
         client.read(url, len(data), [(7, 70)], hashes={"sha1": "0" * 40}, storage_options=_via(proxy))
     assert e.value.url == url
     assert len(_objects(client)) == 2
+    # a download that cannot even start (a bad policy) fails its readers, it never leaves them waiting
+    url = put("parts/policy.mds", data)
+    done: list[BaseException] = []
+
+    def bad_policy() -> None:
+        try:
+            client.read(url, len(data), [(0, 10)], policy="bogus", storage_options=_via(proxy))
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
+            done.append(exc)
+
+    t = threading.Thread(target=bad_policy, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive() and len(done) == 1 and "bogus" in str(done[0]), done
     client.close()
 
 

@@ -214,8 +214,9 @@ class _RemoteShards:
         """``spans`` of shard ``k`` read from its download into the node's cache (see
         :meth:`RemoteMDSDataset._early_batch`); a shard found complete is mapped from then on."""
         url, size, etag, hashes = self._objects(k)[0]
-        blobs, path = client.read(url, size, spans, hashes=hashes, etag=etag, policy=self.cache_policy,
-                                  next_use=self._next_use(k), storage_options=self.storage_options)
+        blobs, path = client.read(url, size, spans, hashes=hashes, etag=etag, cache_limit=self.cache_limit,
+                                  policy=self.cache_policy, next_use=self._next_use(k),
+                                  storage_options=self.storage_options)
         if path is not None:
             self._fetched[k] = [path]
             self._complete.add(k)

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, Listener
 from typing import IO, Any
 
+from torchforge._limits import ensure_open_files
 from torchforge.remote.cache import ObjectCache, url_key
 from torchforge.remote.errors import (
     RemoteAccessError,
@@ -256,7 +257,10 @@ class _Server:
     def read(self, req: ReadRequest) -> tuple[list[bytes], str | None]:
         """Ranges of an object read from its download into the cache (started if none is in progress), as
         soon as the parts that hold them are there; and the object's cache file if it is complete."""
-        return self.parts.read(self._download(req.fetch, req.ranges), req.ranges)
+        try:
+            return self.parts.read(self._download(req.fetch, req.ranges), req.ranges)
+        except FileNotFoundError:  # the cached file was evicted before it was read: download it again
+            return self.parts.read(self._download(req.fetch, req.ranges), req.ranges)
 
     def _download(self, req: FetchRequest, first: Sequence[tuple[int, int]] = ()) -> Download:
         """The download of ``req``'s object: the one in progress, else a new one (a thread fills the cache
@@ -287,15 +291,35 @@ class _Server:
                 return d
             self.parts.want(d, first)
             self.parts.active[key] = d
-        threading.Thread(target=self._fill, args=(d, req, version, checked), daemon=True,
-                         name="torchforge-fill").start()
+        try:
+            threading.Thread(target=self._fill, args=(d, req, version, checked), daemon=True,
+                             name="torchforge-fill").start()
+        except BaseException as e:  # (no thread to end it): its readers must not wait forever
+            self.parts.end(d, error=e)
+            raise
         return d
 
     def _fill(self, d: Download, req: FetchRequest, version: str, hashes: dict[str, str]) -> None:
+        """Fill the cache with ``d``'s object; whatever happens, ``d`` ends (its readers never wait forever)."""
+        try:
+            path = self._filled(d, req, version, hashes)
+        except BaseException as e:  # noqa: BLE001 - every reader of the download raises it
+            self.parts.end(d, error=e)
+        else:
+            self.parts.end(d, path=path)
+
+    def _filled(self, d: Download, req: FetchRequest, version: str, hashes: dict[str, str]) -> str:
         cache = ObjectCache(self.cache_dir, limit=req.cache_limit, policy=req.policy)
         next_use: dict[str, int] = {}
         for pos, u in enumerate(req.next_use):
             next_use.setdefault(url_key(u), pos)
+        src: _Source = d.context
+        if src.etag is None:  # pin the version before parts go out in parallel (they must not mix versions)
+            info = self.head(HeadRequest(req.url, req.store, req.key))
+            if info.size != req.size:
+                raise RemoteCorruptError(f"the object has {info.size} bytes, the index records {req.size}",
+                                         url=req.url)
+            src.etag = info.etag
 
         def download(f: IO[bytes]) -> None:
             for full_try in range(2):  # a hash mismatch is downloaded once more before it is an error
@@ -308,12 +332,7 @@ class _Server:
                                              f"{hashes[bad[0]]}", url=req.url)
             f.seek(req.size)
 
-        try:
-            path = cache.fill(req.url, version, req.size, download, next_use=next_use, wait=IN_USE_WAIT)
-        except BaseException as e:  # noqa: BLE001 - every reader of the download raises it
-            self.parts.end(d, error=e)
-        else:
-            self.parts.end(d, path=path)
+        return cache.fill(req.url, version, req.size, download, next_use=next_use, wait=IN_USE_WAIT)
 
     def _fetch_part(self, d: Download, start: int, end: int) -> Any:
         """Bytes ``[start, end)`` of ``d``'s object: one GET (a range GET unless that is the whole object),
@@ -324,6 +343,8 @@ class _Server:
         src: _Source = d.context
 
         def once() -> Any:
+            if d.error is not None or d.ended:  # another part failed: this one is not needed any more
+                raise RemoteError(f"the download stopped: {d.error}", url=d.url)
             whole = start == 0 and end == d.size  # a plain GET: servers without range support serve it too
             opts: dict[str, Any] = {} if whole else {"range": (start, end)}
             if src.etag:
@@ -443,6 +464,7 @@ def _serve_connection(server: _Server, conn: Connection) -> None:
 def serve(cache_dir: str) -> None:
     """Run the fetcher for ``cache_dir`` until idle (the body of ``python -m torchforge.remote.fetcher``)."""
     root = ObjectCache(cache_dir).root
+    ensure_open_files(4096, "the remote fetcher")  # every download in progress holds a few descriptors
     listener = Listener(address(root), family="AF_UNIX", authkey=authkey(root))
     server = _Server(cache_dir)
 

@@ -99,7 +99,7 @@ class PartScheduler:
             while d.left and d.error is None:
                 self.cond.wait()
             if d.error is not None:
-                raise d.error
+                raise d.error.with_traceback(None)  # (one error object, raised by many threads)
 
     def end(self, d: Download, *, path: str | None = None, error: BaseException | None = None) -> None:
         """``d`` is over: complete in the cache at ``path``, or failed with ``error``."""
@@ -119,7 +119,7 @@ class PartScheduler:
             while not d.ended:
                 self.cond.wait()
             if d.error is not None:
-                raise d.error
+                raise d.error.with_traceback(None)  # (one error object, raised by many threads)
             return d.path
 
     def want(self, d: Download, ranges: Sequence[tuple[int, int]]) -> list[int]:
@@ -148,7 +148,7 @@ class PartScheduler:
             while not ready():
                 self.cond.wait()
             if d.error is not None:
-                raise d.error
+                raise d.error.with_traceback(None)  # (one error object, raised by many threads)
             if d.path is not None:
                 path, fd = d.path, -1
             else:
