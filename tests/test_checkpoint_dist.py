@@ -130,6 +130,18 @@ def _rank_main(rank: int, world: int, init: str, job: dict) -> None:
                 save_file(full, os.path.join(job["out"], f"{job['name']}.safetensors"))
             ck.close()
             return
+        elif job["phase"] == "replan":  # non-blocking saves while one rank's state changes shape
+            ck = Checkpointer(job["root"], keep_last=4, timeout=60)
+            for step in range(4):  # rank 1's extra grows at step 2: every rank plans that save again
+                full = _full(m, opt)
+                if rank == 0:
+                    save_file(full, os.path.join(job["out"], f"replan-{step}.safetensors"))
+                t = torch.arange(4 if rank == 1 and step >= 2 else 3) + step
+                ck.save(step, model=m, optimizer=opt, extra={"epoch": step, "t": t}, blocking=False)
+                with torch.no_grad():  # the state may change as soon as save returns
+                    for p in m.parameters():
+                        p.add_(1.0)
+                ck.wait()
         else:  # an uninterrupted run
             _train(m, opt, 0, job["steps"], rank)
         full = _full(m, opt)
@@ -350,6 +362,20 @@ def test_async_saves_snapshot_and_memory_stays_flat(tmp_path, kind):
     for k, v in big.state_dict().items():
         want = final[f"model.{k}"] - (1.0 if k.endswith(("weight", "bias")) else 0.0)
         assert torch.equal(v, want), k
+
+
+def test_a_rank_whose_state_changes_shape_makes_every_rank_plan_the_save_again(tmp_path):
+    job = {"kind": "fsdp", "phase": "replan", "steps": 0, "root": str(tmp_path / "ck"), "out": str(tmp_path),
+           "name": "replan"}
+    assert _spawn(2, job, tmp_path, timeout=120) == [0, 0]
+    ck = Checkpointer(tmp_path / "ck")
+    assert ck.steps() == [0, 1, 2, 3]
+    for step in ck.steps():  # each step holds the state as it was when its save() returned
+        ck.verify(step)
+        m, opt = _build("plain", 1)
+        extra = ck.restore(step, model=m, optimizer=opt)
+        _same(_full(m, opt), load_file(tmp_path / f"replan-{step}.safetensors"))
+        assert extra["t"].tolist() == [step, step + 1, step + 2]  # rank 0's extra
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])

@@ -144,13 +144,16 @@ def _collective(what: str, fn: Callable[[], Any], where: str) -> Any:
 
 
 def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, world: int, step: int
-          ) -> tuple[str, list[tuple[str, torch.Tensor, list[int], list[int]]]]:
-    """This rank's writes: (name, tensor to write, global offsets, sizes) and the temporary folder.
+          ) -> tuple[str, list[tuple[str, torch.Tensor, list[int], list[int]]], Callable[[], bool] | None]:
+    """This rank's writes: (name, tensor to write, global offsets, sizes), the temporary folder, and
+    ``holds``: None, or a function to call before anything is written that says whether the plan holds.
 
     The assignment of replicated tensors needs every rank's sizes (one ``all_gather_object``). It is
     kept on the Checkpointer and reused while no rank's state changed shape: then one tiny
     ``all_reduce`` says so, and the temporary folder's name is made from rank 0's host and pid (known
-    from the first plan) and a counter every rank advances alike.
+    from the first plan) and a counter every rank advances alike. Where this rank's state did not
+    change, that ``all_reduce`` runs while the caller copies its state (``holds`` waits for it); if
+    another rank's did, ``holds()`` is False and the caller plans again (every rank learns the same).
     """
     mine, sharded_bytes, replicated, shape_of = [], 0, [], []
     for name, t in items.items():
@@ -172,15 +175,22 @@ def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, 
     cached = getattr(ck, "_dist_plan", None)
     if cached is not None and cached["world"] == world:
         flag = torch.tensor([0 if cached["signature"] == signature else 1], dtype=torch.int64)
-        _collective("checking the save plan (all_reduce)", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX),
-                    ck.root)
-        if int(flag) == 0:
+        if int(flag) == 0:  # the cached plan, checked by every rank while the state is copied
+            work = _collective("checking the save plan (all_reduce)",
+                               lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), ck.root)
+
+            def holds() -> bool:
+                _collective("checking the save plan (all_reduce)", work.wait, ck.root)
+                return int(flag) == 0
+
             cached["count"] += 1
             folder = tmp_name(step, pid=cached["pid"], host=cached["host"], nonce=f"{cached['token']}{cached['count']:x}")
             full = dict(replicated)
             for name, a, b in cached["pieces"]:
                 mine.append(_piece(name, full[name], a, b))
-            return folder, mine
+            return folder, mine, holds
+        _collective("checking the save plan (all_reduce)", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX),
+                    ck.root)
     rep_info = [(name, list(t.shape), t.element_size()) for name, t in replicated]
     gathered: list[Any] = [None] * world
     proposal = (host_name(), os.getpid(), uuid.uuid4().hex[:8], sharded_bytes, rep_info)
@@ -214,7 +224,7 @@ def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, 
     ck._dist_plan = {"world": world, "signature": signature, "host": host0, "pid": pid0, "token": token,
                      "count": 0, "pieces": own}
     folder = tmp_name(step, pid=pid0, host=host0, nonce=f"{token}0")
-    return folder, mine
+    return folder, mine, None
 
 
 def _piece(name: str, t: torch.Tensor, a: int, b: int) -> tuple[str, torch.Tensor, list[int], list[int]]:
@@ -257,7 +267,7 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
     for name, t in extra_items.tensors.items():  # global state: rank 0's, written by rank 0
         items.tensors[name] = t.full_tensor() if _is_dtensor(t) else t
         owner0.add(name)
-    folder_name, mine = _plan(ck, items.tensors, owner0, rank, world, step)
+    folder_name, mine, holds = _plan(ck, items.tensors, owner0, rank, world, step)
     own = _Items()
     own_spec = encode(rank_state, f"rank{rank}", own)
     tensors: dict[str, torch.Tensor] = {}
@@ -278,6 +288,11 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
         for f in files:
             if f.parts:
                 f.bind()
+    if holds is not None and not holds():  # another rank's state changed shape: plan again, all ranks alike
+        for event in events:
+            event.synchronize()
+        ck._dist_plan = None
+        return save_distributed(ck, step, model, optimizer, extra, rank_state, loader, blocking, export_to)
     for entries_of in chunks.values():
         for c in entries_of:
             c.update(by_key[c["key"]])
