@@ -536,6 +536,36 @@ def test_join_adds_columns_lazily_in_workers(written, tmp_path, write_jinx):
         written.join(JinxDataset(str(tmp_path / "j")))[55]
 
 
+def _same_batch(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def test_the_loader_joins_whole_columns_into_the_batch(written, tmp_path, write_jinx, monkeypatch):
+    from torchforge.datasets.jinx import JinxDataset
+    from torchforge.features.join import JoinedDataset
+
+    write_jinx(tmp_path / "jb", ({"id": (i * 7) % 60, "text": f"t{i}", "n": i} for i in range(60)))
+    joined = written.join(JinxDataset(str(tmp_path / "jb")), missing={"emb": -1, "loss": -1})
+    for kw in ({"collate_fn": collate.padded_collate}, {}):
+        theirs = list(torch.utils.data.DataLoader(joined, batch_size=16, **kw))  # samples with their rows
+        ours = list(DataLoader(joined, batch_size=16, num_workers=2, **kw))  # whole columns, in the workers
+        assert len(ours) == len(theirs) == 4
+        for a, b in zip(ours, theirs):
+            _same_batch(a, b)
+    rows = []  # the batch path makes no row per sample: __getitems__ is not called
+    monkeypatch.setattr(JoinedDataset, "__getitems__", lambda self, idx: rows.append(idx) or [])
+    batch = next(iter(DataLoader(joined, batch_size=16, collate_fn=collate.padded_collate)))
+    assert not rows and batch["emb"].shape == (16, 4) and batch["n"].tolist() == list(range(16))
+    # another collate function sees every sample with its columns
+    seen = next(iter(DataLoader(joined, batch_size=4, collate_fn=list)))
+    assert rows and seen == []
+
+
 def test_a_commit_that_loses_the_race_for_a_number_redoes_itself_on_top_of_the_winner(store, monkeypatch):
     import torchforge.features.writer as writer_mod
 

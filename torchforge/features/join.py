@@ -6,8 +6,9 @@ The loader fetches a batch through ``__getitems__``: the samples of the batch co
 (through its own ``__getitems__`` where it has one), then one :meth:`FeatureStore.get` reads the
 columns for all their ids at once, and each sample gets its row as a view of that gather.
 
-A plain dict sample becomes a new dict with the columns added; any other mapping (a lazy sample) is
-wrapped in a read-only mapping that serves the columns and leaves the sample's own fields lazy.
+A plain dict sample becomes a new dict with the columns added; a lazy sample a new lazy sample with the
+columns as fields (its own fields stay lazy); any other mapping is wrapped in a read-only mapping that
+serves the columns and leaves the sample's own fields as they are.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 import torch.utils.data
 
 from torchforge.errors import TorchforgeError
+from torchforge.lazy import LazySample
 
 __all__ = ["JoinedDataset"]
 
@@ -53,6 +55,24 @@ class JoinedSample(Mapping):
         return (dict, (self.materialize(),))
 
 
+def _with_fields(s: LazySample, extra: dict[str, Any], clashes: dict[tuple, list[str]]) -> LazySample:
+    """A lazy sample like ``s`` with ``extra``'s values as fields (replacing its own of the same names):
+    collating it takes the lazy sample's own fast path, not a wrapper's ``__getitem__`` per field.
+    ``clashes`` caches, per set of stored keys, the ones a column replaces."""
+    raw = s._raw.copy()
+    layout = tuple(raw)
+    drop = clashes.get(layout)
+    if drop is None:
+        sep = s._src.ext_sep
+        drop = clashes[layout] = [k for k in layout if (k.partition(sep)[0] if sep in k else k) in extra]
+    for k in drop:
+        del raw[k]
+    raw.update(extra)
+    out = LazySample.__new__(LazySample)
+    out._raw, out._src, out._off, out._done = raw, s._src, s._off, None
+    return out
+
+
 class JoinedDataset(torch.utils.data.Dataset):
     """``dataset`` with each sample gaining ``store``'s columns for ``sample[key]``.
 
@@ -84,9 +104,48 @@ class JoinedDataset(torch.utils.data.Dataset):
         return self.__getitems__([i])[0]
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
+        samples = self._samples(indices)
+        got = self.store.get(self._ids(samples), self.columns, missing=self.missing)
+        rows = [got[c].unbind(0) for c in self.columns]  # every sample's row as a view, one call per column
+        out: list[Any] = []
+        clashes: dict[tuple, list[str]] = {}
+        for s, *r in zip(samples, *rows):
+            extra = dict(zip(self.columns, r))
+            if type(s) is dict:
+                out.append({**s, **extra})
+            elif type(s) is LazySample:
+                out.append(_with_fields(s, extra, clashes))
+            else:
+                out.append(JoinedSample(s, extra))
+        return out
+
+    def _collated_batch(self, indices: list[int], collate_fn: Any) -> Any:
+        """The batch torchforge's DataLoader asks for when ``collate_fn`` is one that stacks fixed-shape
+        values (torchforge's ``default_collate`` or ``padded_collate``): the dataset's own samples collated,
+        then one :meth:`FeatureStore.get` of the batch's ids whose tensors are the batch's columns as they
+        are (inside a worker they are gathered straight into the batch's shared memory), with no row per
+        sample to make and stack again. The same batch as collating :meth:`__getitems__`. None where that
+        does not apply (another collate function, or samples with fields of a column's name)."""
+        from torchforge.loader.collate import default_collate, padded_collate
+
+        if collate_fn is not default_collate and collate_fn is not padded_collate:
+            return None
+        samples = self._samples(indices)
+        if not samples or any(c in samples[0] for c in self.columns):
+            return None
+        ids = self._ids(samples)
+        batch = collate_fn(samples)
+        if type(batch) is not dict:
+            return None
+        batch.update(self.store.get(ids, self.columns, missing=self.missing))
+        return batch
+
+    def _samples(self, indices: list[int]) -> list[Any]:
         many = getattr(self.dataset, "__getitems__", None)
-        samples = many(list(indices)) if many is not None else [self.dataset[i] for i in indices]
-        key, cols = self.key, self.columns
+        return many(list(indices)) if many is not None else [self.dataset[i] for i in indices]
+
+    def _ids(self, samples: list[Any]) -> list[int]:
+        key = self.key
         ids = []
         for s in samples:
             try:
@@ -97,13 +156,7 @@ class JoinedDataset(torch.utils.data.Dataset):
                 raise TorchforgeError(f"join needs mapping samples with an id field {key!r}; got a "
                                       f"{type(s).__name__}" + (f" with fields {sorted(s)[:10]}"
                                                                if isinstance(s, Mapping) else "")) from None
-        got = self.store.get(ids, cols, missing=self.missing)
-        rows = [got[c].unbind(0) for c in cols]  # every sample's row as a view, in one call per column
-        out = []
-        for s, *r in zip(samples, *rows):
-            extra = dict(zip(cols, r))
-            out.append({**s, **extra} if type(s) is dict else JoinedSample(s, extra))
-        return out
+        return ids
 
     def __repr__(self) -> str:
         return f"JoinedDataset({self.dataset!r}, {self.store!r}, key={self.key!r}, columns={self.columns})"

@@ -175,6 +175,12 @@ def _stack(vals: list, arena: Any) -> torch.Tensor | None:
         return torch.from_numpy(out)
     nbytes = first.numel() * first.element_size()
     out = torch.from_numpy(arena.alloc(len(vals) * nbytes)).view(dtype).view((len(vals),) + shape)
+    if first.device.type == "cpu":
+        try:
+            with torch.no_grad():  # (detaches, without a call per tensor)
+                return torch.stack(vals, out=out)
+        except RuntimeError:  # a tensor on another device (or another layout): one at a time
+            pass
     torch.stack([v.detach().cpu() for v in vals], out=out)
     return out
 

@@ -71,6 +71,11 @@ class Source:
         if not self.auto_collation:
             return self.collate_fn(self.dataset[index]), [], 0
         if self.on_error == "raise":
+            collated = getattr(self.dataset, "_collated_batch", None)  # a FeatureStore join: whole columns
+            if collated is not None:
+                batch = collated(index, self.collate_fn)
+                if batch is not None:
+                    return batch, [], 0
             getitems = getattr(self.dataset, "__getitems__", None)
             data = getitems(index) if getitems is not None else [self.dataset[i] for i in index]
             return self.collate_fn(data), [], 0
