@@ -67,7 +67,7 @@ import torch
 from torchforge._limits import ensure_open_files
 from torchforge.datasets.jinx import JinxDataset
 from torchforge.datasets.mds import MDSDataset
-from torchforge.datasets.safetensors import OFFSETS, SafetensorsDataset
+from torchforge.datasets.safetensors import OFFSETS, SafetensorsDataset, check_offsets
 from torchforge.errors import CorruptShardError, FormatError, SafetensorsError
 from torchforge.formats.jinx_reader import JinxShard
 from torchforge.formats.mds import INDEX_BASENAME
@@ -102,6 +102,9 @@ class _RemoteShards:
     url: str
     mode: str
     _first: list[int]
+
+    _FORMAT = "dataset"  # named in index errors
+    _EARLY = False  # reads samples of shards still downloading (mode="shards", no cache_limit): RemoteMDSDataset
 
     def _remote_setup(self, url: str, split: str | None, cache_dir: str | os.PathLike | None,
                       cache_limit: int | str | None, mode: str, cache_policy: str,
@@ -146,7 +149,7 @@ class _RemoteShards:
     def _clients(self) -> list[Any]:
         """This process's ``READERS`` connections to the fetcher (one request at a time each) and the
         threads that use them to read several shards' ranges at once."""
-        n = READERS if self.mode == "ranges" or self._bypass or self.cache_limit is None else 1
+        n = READERS if self.mode == "ranges" or self._bypass or (self._EARLY and self.cache_limit is None) else 1
         if self._client_of is None or self._client_of[0] != os.getpid() or len(self._client_of[1]) < n:
             # the first is the process's shared client (the calling thread's); the reader threads each get
             # their own connection: a client serves one request at a time
@@ -186,6 +189,15 @@ class _RemoteShards:
                     continue
                 out[name] = (u, info.size, info.etag)
         raise AssertionError("unreachable")
+
+    def _checked(self, indices: list[int]) -> list[int]:
+        """A batch's indices as non-negative ints; IndexError (naming the format) for one out of range."""
+        n = len(self)
+        idx = [operator.index(i) for i in indices]
+        for i in idx:
+            if not -n <= i < n:
+                raise IndexError(f"index {i} out of range for {self._FORMAT} of {n} samples")
+        return [i + n if i < 0 else i for i in idx]
 
     # --- reading byte ranges (mode="ranges", and early reads of downloads in progress) ------------------
     def _read_spans(self, shards: list[int], spans_of: Callable[[Any, int], list[tuple[int, int]]],
@@ -437,6 +449,9 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         RemoteError: the store refused or failed (names the URL).
     """
 
+    _FORMAT = "MDSDataset"
+    _EARLY = True
+
     def __init__(self, url: str, split: str | None = None, *, cache_dir: str | os.PathLike | None = None,
                  cache_limit: int | str | None = None, mode: str = "shards", cache_policy: str = "belady",
                  storage_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
@@ -546,12 +561,7 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
             if self.cache_limit is None:
                 return self._early_batch(indices)
             return self._limited_batch(indices)
-        n = len(self)
-        idx = [operator.index(i) for i in indices]
-        for i in idx:
-            if not -n <= i < n:
-                raise IndexError(f"index {i} out of range for MDSDataset of {n} samples")
-        return self._read([i + n if i < 0 else i for i in idx])
+        return self._read(self._checked(indices))
 
     def __iter__(self) -> Any:
         if self.mode != "ranges":
@@ -562,14 +572,6 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
             yield from self._read(list(range(first, min(first + step, len(self)))))
 
     # --- mode="shards" ---------------------------------------------------------------------------------
-    def _checked(self, indices: list[int]) -> list[int]:
-        n = len(self)
-        idx = [operator.index(i) for i in indices]
-        for i in idx:
-            if not -n <= i < n:
-                raise IndexError(f"index {i} out of range for MDSDataset of {n} samples")
-        return [i + n if i < 0 else i for i in idx]
-
     def _early_batch(self, indices: list[int]) -> list[Any]:
         """A batch in ``mode="shards"`` with no ``cache_limit``. Samples of shards this process has mapped
         or the node has cached are read from their maps. The others are read from their shards' downloads
@@ -580,13 +582,17 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         idx = self._checked(indices)
         out: list[Any] = [None] * len(idx)
         early: list[int] = []
+        downloading: dict[int, bool] = {}  # shard -> read from its download (decided once per batch)
         for pos, i in enumerate(idx):
             k = bisect.bisect_right(self._bounds, i) - 1
-            if (self._shards[k] is None and self.metas[k].zip_basename is None and k not in self._complete
-                    and self._cached(k) is None):
+            if k not in downloading:
+                downloading[k] = (self._shards[k] is None and self.metas[k].zip_basename is None
+                                  and k not in self._complete and self._cached(k) is None)
+                if not downloading[k]:
+                    self._complete.add(k)
+            if downloading[k]:
                 early.append(pos)
             else:
-                self._complete.add(k)
                 out[pos] = self[i]
         if early:
             for pos, sample in zip(early, self._read([idx[pos] for pos in early], early=True)):
@@ -902,6 +908,8 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
         SafetensorsError, CorruptShardError: a shard's header is invalid (names the URL and offset).
     """
 
+    _FORMAT = "SafetensorsDataset"
+
     def __init__(self, url: str, *, columns: Any = None, cache_dir: str | os.PathLike | None = None,
                  cache_limit: int | str | None = None, mode: str = "shards", cache_policy: str = "belady",
                  storage_options: Mapping[str, Any] | None = None) -> None:
@@ -941,12 +949,7 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
     def __getitems__(self, indices: list[int]) -> list[Any]:
         """A batch of samples; in ``mode="ranges"`` each sample's rows are read by byte ranges, one
         coalesced read per shard the batch touches."""
-        n = len(self)
-        idx = [operator.index(i) for i in indices]
-        for i in idx:
-            if not -n <= i < n:
-                raise IndexError(f"index {i} out of range for SafetensorsDataset of {n} samples")
-        idx = [i + n if i < 0 else i for i in idx]
+        idx = self._checked(indices)
         if self.mode != "ranges":
             return [self._get(i) for i in idx]
         by_shard: dict[int, list[tuple[int, int]]] = {}
@@ -954,14 +957,19 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
             s = bisect.bisect_right(self._ends, i)
             by_shard.setdefault(s, []).append((pos, i - (self._ends[s - 1] if s else 0)))
 
+        span_of: dict[tuple[int, int, str], tuple[int, int]] = {}  # (shard, row, column) -> its bytes
+
         def spans(client: Any, s: int) -> list[tuple[int, int]]:
-            return [self._row_span(client, s, c, j) for _, j in by_shard[s] for c in self._cols[s]]
+            for _, j in by_shard[s]:
+                for c in self._cols[s]:
+                    span_of[(s, j, c)] = self._row_span(client, s, c, j)
+            return [span_of[(s, j, c)] for _, j in by_shard[s] for c in self._cols[s]]
 
         got = self._read_spans(list(by_shard), spans)
         out: list[Any] = [None] * len(idx)
         for s, rows in by_shard.items():
             for pos, j in rows:
-                out[pos] = {c: self._row_tensor(s, c, j, got[s]) for c in self._cols[s]}
+                out[pos] = {c: self._row_tensor(s, c, j, span_of[(s, j, c)], got[s]) for c in self._cols[s]}
         return out
 
     def _row_span(self, client: Any, s: int, c: str, j: int) -> tuple[int, int]:
@@ -980,21 +988,16 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
                 oi = infos[c + OFFSETS]
                 (raw,) = client.get_ranges(url, [(start + oi.start, start + oi.end)], etag=self._objects(s)[0][2],
                                            storage_options=self.storage_options)
-                off = np.frombuffer(raw, dtype="<i8")
-                bad = np.flatnonzero(np.diff(off) < 0)
-                if len(off) != oi.shape[0] or off[0] != 0 or off[-1] != rows or bad.size:
-                    at = int(bad[0]) + 1 if bad.size else (0 if off[0] != 0 else len(off) - 1)
-                    raise CorruptShardError(f"offsets of ragged column {c!r} must rise from 0 to {rows}; offset "
-                                            f"{at} is {off[at]}", path=url, offset=start + oi.start + 8 * at)
-                self._ragged[(s, c)] = off
+                off = self._ragged[(s, c)] = check_offsets(np.frombuffer(raw, dtype="<i8"), oi.shape[0] - 1, rows,
+                                                           c, url, start + oi.start)
             lo, hi = int(off[j]), int(off[j + 1])
         return start + info.start + lo * width, start + info.start + hi * width
 
-    def _row_tensor(self, s: int, c: str, j: int, spans: _Spans) -> torch.Tensor:
-        """Sample ``j``'s value of column ``c`` from the bytes read: what a local shard's ``t[j]`` (or
-        ``t[offsets[j]:offsets[j + 1]]``) holds, as a tensor of its own."""
+    def _row_tensor(self, s: int, c: str, j: int, span: tuple[int, int], spans: _Spans) -> torch.Tensor:
+        """Sample ``j``'s value of column ``c`` (its bytes ``span``) from the bytes read: what a local shard's
+        ``t[j]`` (or ``t[offsets[j]:offsets[j + 1]]``) holds, as a tensor of its own."""
         dtype, shape = storage_shape(self._heads[s][1][c], self._objects(s)[0][0])
-        b, e = self._row_span(None, s, c, j)
+        b, e = span
         off = self._ragged.get((s, c))
         out = (*(() if off is None else (int(off[j + 1] - off[j]),)), *shape[1:])
         if e == b:

@@ -77,6 +77,21 @@ def _columns(infos: Mapping[str, TensorInfo], path: str) -> tuple[int, dict[str,
     return n or 0, cols
 
 
+def check_offsets(off: np.ndarray, n: int, rows: int, column: str, path: str, at: int) -> np.ndarray:
+    """A ragged column's ``n + 1`` offsets (stored at byte ``at`` of ``path``), checked to rise from 0 to its
+    ``rows``; returns them.
+
+    Raises:
+        CorruptShardError: they do not (names the first offset that breaks the rule and its byte offset).
+    """
+    falls = np.flatnonzero(np.diff(off) < 0)
+    if len(off) != n + 1 or off[0] != 0 or off[-1] != rows or falls.size:
+        j = int(falls[0]) + 1 if falls.size else (0 if len(off) and off[0] != 0 else len(off) - 1)
+        raise CorruptShardError(f"offsets of ragged column {column!r} must rise from 0 to {rows}; offset {j} is "
+                                f"{off[j] if 0 <= j < len(off) else None}", path=path, offset=at + 8 * max(j, 0))
+    return off
+
+
 class SafetensorsDataset(ShardDataset):
     """Map-style dataset over a folder (or a single file) of safetensors column shards.
 
@@ -161,15 +176,8 @@ class SafetensorsDataset(ShardDataset):
         for c, ragged in self._cols[s].items():
             data[c] = f[c]
             if ragged:
-                off = f[c + OFFSETS].numpy()
-                falls = np.flatnonzero(np.diff(off) < 0)
-                if off[0] != 0 or off[-1] != data[c].shape[0] or falls.size:
-                    j = int(falls[0]) + 1 if falls.size else (0 if off[0] != 0 else n)
-                    raise CorruptShardError(
-                        f"offsets of ragged column {c!r} must rise from 0 to {data[c].shape[0]}; "
-                        f"offset {j} is "
-                        f"{off[j]}", path=path, offset=f.data_start + f.infos[c + OFFSETS].start + 8 * j)
-                offsets[c] = off
+                offsets[c] = check_offsets(f[c + OFFSETS].numpy(), n, data[c].shape[0], c, path,
+                                           f.data_start + f.infos[c + OFFSETS].start)
         got = self._open[s] = (data, offsets)
         return got
 

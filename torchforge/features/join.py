@@ -19,6 +19,7 @@ import torch.utils.data
 
 from torchforge.errors import TorchforgeError
 from torchforge.lazy import LazySample
+from torchforge.loader.collate import default_collate, padded_collate
 
 __all__ = ["JoinedDataset"]
 
@@ -126,8 +127,6 @@ class JoinedDataset(torch.utils.data.Dataset):
         are (inside a worker they are gathered straight into the batch's shared memory), with no row per
         sample to make and stack again. The same batch as collating :meth:`__getitems__`. None where that
         does not apply (another collate function, or samples with fields of a column's name)."""
-        from torchforge.loader.collate import default_collate, padded_collate
-
         if collate_fn is not default_collate and collate_fn is not padded_collate:
             return None
         samples = self._samples(indices)

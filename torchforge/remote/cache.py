@@ -42,7 +42,7 @@ from torchforge.cache import user_cache_dir
 from torchforge.remote.errors import CacheFullError, RemoteCorruptError
 from torchforge.sizes import parse_size
 
-__all__ = ["POLICIES", "CachedObject", "ObjectCache", "url_key", "version_key"]
+__all__ = ["POLICIES", "CachedObject", "ObjectCache", "url_key", "version_key", "version_of"]
 
 _NAME = re.compile(r"^(?P<url>[0-9a-f]{16})(?P<ver>[0-9a-f]{16})-(?P<name>[A-Za-z0-9_-][A-Za-z0-9._-]{0,79})$")
 _TMP = re.compile(r"^(?P<final>[0-9a-f]{32}-[A-Za-z0-9._-]+)\.tmp\.(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>\d+)"
@@ -58,6 +58,12 @@ def url_key(url: str) -> str:
 def version_key(version: str) -> str:
     """The 16 hex digits naming a pinned version (an ETag or the index's hash) in the cache."""
     return hashlib.sha256(version.encode()).hexdigest()[:16]
+
+
+def version_of(etag: str | None, hashes: Mapping[str, str] | None) -> str | None:
+    """The version an object is cached under: its pinned ETag, else the first of the hashes the index
+    records (``"sha1:..."``), else None (the fetcher then asks the store for the ETag)."""
+    return etag or next((f"{k}:{v}" for k, v in sorted(dict(hashes or {}).items())), None)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from multiprocessing.connection import Client, Connection
 from typing import Any
 
 from torchforge.cache import user_cache_dir
-from torchforge.remote.cache import ObjectCache
+from torchforge.remote.cache import ObjectCache, version_of
 from torchforge.remote.errors import RemoteReadOnlyError
 from torchforge.remote.messages import (
     COALESCE_GAP,
@@ -150,17 +150,13 @@ class FetcherClient:
             RemoteChangedError: the object's ETag is not ``etag``.
             CacheFullError: no room within ``cache_limit``.
         """
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"{url}: size={size!r} must be a non-negative int")
-        hashes = dict(hashes or {})
+        _check_size(url, size)
         hit = self.cached(url, size, hashes=hashes, etag=etag)
         if hit is not None:
             self.downloaded = False
             return hit
-        spec, key = store_spec(url, storage_options)
-        limit = None if cache_limit is None else ObjectCache(self.cache_dir, limit=cache_limit).limit
-        reply = self._call(FetchRequest(url, spec, key, size, tuple(sorted(hashes.items())), etag, limit, policy,
-                                        tuple(next_use)))
+        reply = self._call(self._fetch_request(url, size, hashes, etag, cache_limit, policy, next_use,
+                                               storage_options))
         path, self.downloaded = reply if isinstance(reply, tuple) else (reply, True)  # (an older fetcher replies a path)
         return path
 
@@ -180,22 +176,26 @@ class FetcherClient:
         Raises:
             what :meth:`fetch` raises.
         """
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"{url}: size={size!r} must be a non-negative int")
+        _check_size(url, size)
         ranges = check_ranges(url, ranges)
         if any(e > size for _, e in ranges):
             raise ValueError(f"{url}: a range ends past the object's {size} bytes: {max(e for _, e in ranges)}")
+        return self._call(ReadRequest(self._fetch_request(url, size, hashes, etag, cache_limit, policy, next_use,
+                                                          storage_options), ranges))
+
+    def _fetch_request(self, url: str, size: int, hashes: Mapping[str, str] | None, etag: str | None,
+                       cache_limit: int | str | None, policy: str, next_use: Sequence[str],
+                       storage_options: Mapping[str, Any] | None) -> FetchRequest:
         spec, key = store_spec(url, storage_options)
         limit = None if cache_limit is None else ObjectCache(self.cache_dir, limit=cache_limit).limit
-        fetch = FetchRequest(url, spec, key, size, tuple(sorted(dict(hashes or {}).items())), etag, limit, policy,
-                             tuple(next_use))
-        return self._call(ReadRequest(fetch, ranges))
+        return FetchRequest(url, spec, key, size, tuple(sorted(dict(hashes or {}).items())), etag, limit, policy,
+                            tuple(next_use))
 
     def cached(self, url: str, size: int, *, hashes: Mapping[str, str] | None = None,
                etag: str | None = None) -> str | None:
         """The path of the object in the node's cache if it is there now (no request), else None; the
         version is keyed as :meth:`fetch` keys it (None without an ETag or a hash)."""
-        version = etag or next((f"{k}:{v}" for k, v in sorted(dict(hashes or {}).items())), None)
+        version = version_of(etag, hashes)
         return None if version is None else self.cache.lookup(url, version, size)
 
     def put(self, url: str, local_path: str | os.PathLike, *,
@@ -257,6 +257,11 @@ class FetcherClient:
     def pinned(self, url: str) -> contextlib.AbstractContextManager[None]:
         """While the block runs, no process evicts ``url`` from the cache (take it before :meth:`fetch`)."""
         return self.cache.pinned(url)
+
+
+def _check_size(url: str, size: Any) -> None:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"{url}: size={size!r} must be a non-negative int")
 
 
 def _writable(url: str, storage_options: Mapping[str, Any] | None) -> tuple[StoreSpec, str]:

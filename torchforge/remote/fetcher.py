@@ -37,7 +37,7 @@ from multiprocessing.connection import Connection, Listener
 from typing import IO, Any
 
 from torchforge._limits import ensure_open_files
-from torchforge.remote.cache import ObjectCache, url_key
+from torchforge.remote.cache import ObjectCache, url_key, version_of
 from torchforge.remote.errors import (
     RemoteAccessError,
     RemoteChangedError,
@@ -175,6 +175,7 @@ class _Server:
         self.clients = 0
         self.last_seen = time.monotonic()
         self.parts = PartScheduler(self._fetch_part)
+        self.cache = ObjectCache(cache_dir)  # lookups (a fill makes its own, with the request's limit)
 
     def store(self, spec: StoreSpec) -> Any:
         with self.lock:
@@ -268,7 +269,7 @@ class _Server:
         the cache has the object."""
         hashes = dict(req.hashes)
         etag = req.etag
-        version = etag or next((f"{k}:{v}" for k, v in sorted(hashes.items())), None)
+        version = version_of(etag, hashes)
         if version is None:
             with self.parts.cond:  # an unpinned object being downloaded: join that download, no HEAD
                 d = next((d for d in self.parts.active.values() if d.url == req.url and d.size == req.size), None)
@@ -285,7 +286,7 @@ class _Server:
             if d is not None:
                 return d
             d = Download(key, req.url, req.size, source, verified_only=bool(checked))
-            path = ObjectCache(self.cache_dir).lookup(req.url, version, req.size)
+            path = self.cache.lookup(req.url, version, req.size)
             if path is not None:
                 d.path, d.ended = path, True
                 return d
