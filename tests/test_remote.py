@@ -1309,7 +1309,7 @@ def _epochs_bytes(ds, proxy, epochs: int = 2, bucket: int | None = None) -> tupl
 def test_an_order_without_locality_under_a_small_cache_reads_ranges_instead_of_refetching_shards(env, tmp_path,
                                                                                                  monkeypatch):
     import torchforge
-    from torchforge.datasets import remote
+    from torchforge.datasets.remote import mds as remote
 
     _client, proxy, put = env
     rows = [{"id": i, "blob": bytes([i % 251]) * 900} for i in range(400)]

@@ -1,0 +1,320 @@
+"""An MDS dataset at a URL: :class:`RemoteMDSDataset` (see :mod:`torchforge.datasets.remote`)."""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import hashlib
+import itertools
+import logging
+import operator
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+from torchforge._limits import ensure_open_files
+from torchforge.datasets.mds import MDSDataset
+from torchforge.datasets.remote.shards import _RemoteShards
+from torchforge.errors import CorruptShardError
+from torchforge.formats.mds import INDEX_BASENAME
+from torchforge.formats.mds_reader import SampleDecoder, ShardMeta
+
+log = logging.getLogger(__name__)
+
+BYPASS_SHARE = 0.1  # whole shards downloaded serving fewer samples than this share of one: read ranges instead
+BYPASS_AFTER = 4  # dropped maps before that is judged
+
+
+class RemoteMDSDataset(_RemoteShards, MDSDataset):
+    """An MDS dataset at a URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``file://``).
+
+    Args:
+        url: the dataset's folder URL (the one holding index.json).
+        split: a sub-folder.
+        cache_dir: the node-local cache (default: the per-user cache folder, never the data folder).
+        cache_limit: the most bytes the cache may hold (bytes or ``"50GB"``); None for no limit.
+        mode: ``"shards"`` (whole shards fetched on first use, samples served from a download in progress)
+            or ``"ranges"`` (byte ranges per batch).
+        cache_policy: what the cache evicts when ``cache_limit`` needs room: ``"belady"`` (the shard needed
+            furthest in the future, as far as the fetches in flight tell) or ``"lru"``.
+        storage_options: endpoint, region, credentials, anonymous, allow_http; the standard environment
+            variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ... ``AWS_ALLOW_HTTP``) apply too.
+        **kwargs: :class:`~torchforge.datasets.mds.MDSDataset`'s options (columns, lazy, zero_copy, ...).
+            With a ``cache_limit``, ``zero_copy`` defaults to False: a sample's values are copies, so a batch
+            whose samples come from many shards does not keep every one of them mapped (held in use, which
+            the limit would have to make room for); lazy samples keep their shard mapped while they live.
+
+    Raises:
+        RemoteNotFoundError: no index.json at the URL (names it).
+        RemoteError: the store refused or failed (names the URL).
+    """
+
+    _FORMAT = "MDSDataset"
+    _EARLY = True
+
+    def __init__(self, url: str, split: str | None = None, *, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = None, mode: str = "shards", cache_policy: str = "belady",
+                 storage_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        if mode == "ranges" and kwargs.get("lazy"):
+            raise ValueError("lazy=True needs mode='shards' (a lazy sample maps its shard)")
+        self._remote_setup(url, split, cache_dir, cache_limit, mode, cache_policy, storage_options)
+        if self.cache_limit is not None:  # a sample's values are copies: the batch does not hold its shards
+            kwargs.setdefault("zero_copy", False)
+        client = self._client()
+        index_url = f"{self.url}/{INDEX_BASENAME}"
+        info = client.head(index_url, storage_options=self.storage_options)
+        self.version = info.etag  # the pinned version of the dataset
+        index = client.fetch(index_url, info.size, etag=info.etag, storage_options=self.storage_options)
+        key = hashlib.sha256(f"{index_url}\0{info.etag}\0{info.size}".encode()).hexdigest()[:32]
+        folder = os.path.join(client.cache_dir, "datasets", key)
+        _place(index, os.path.join(folder, INDEX_BASENAME))
+        super().__init__(folder, **kwargs)
+        self._first = list(self._bounds)
+        self._offsets: dict[int, list[int]] = {}
+        self._decoders: dict[int, Any] = {}
+        if mode == "ranges":
+            whole = [m.zip_basename for m in self.metas if m.zip_basename is not None]
+            if whole:
+                raise ValueError(f"mode='ranges' needs shards that are not compressed as a whole; {whole[0]!r} "
+                                 "is: use mode='shards'")
+
+    # --- mode="ranges" ------------------------------------------------------------------------------
+    def _shard_url(self, k: int) -> str:
+        return f"{self.url}/{self.metas[k].raw_basename}"
+
+    def _offsets_of(self, k: int, client: Any = None, early: bool = False) -> list[int]:
+        """Shard ``k``'s sample offsets, read once (one small range; ``early``: from the shard's download,
+        see :meth:`_early_batch`) and checked like a local shard's."""
+        offs = self._offsets.get(k)
+        if offs is None:
+            m, url = self.metas[k], self._shard_url(k)
+            head = 4 + 4 * (m.samples + 1)
+            span = [(0, min(head, m.raw_bytes))]
+            client = client or self._client()
+            (data,) = (self._download_read(client, k, span) if early
+                       else client.get_ranges(url, span, storage_options=self.storage_options))
+            if len(data) < head or struct.unpack_from("<I", data)[0] != m.samples:
+                raise CorruptShardError(f"the shard's header does not hold {m.samples} samples as index.json "
+                                        "says", path=url, offset=0)
+            offs = list(struct.unpack_from(f"<{m.samples + 1}I", data, 4))
+            if not (head <= offs[0] and offs[-1] == m.raw_bytes
+                    and all(a <= b for a, b in itertools.pairwise(offs))):
+                raise CorruptShardError("the shard's sample offsets are out of order or outside the shard",
+                                        path=url, offset=4)
+            self._offsets[k] = offs
+        return offs
+
+    def _decoder(self, k: int) -> Any:
+        dec = self._decoders.get(k)
+        if dec is None:
+            dec = self._decoders[k] = SampleDecoder(self.metas[k], self._shard_url(k),
+                                                    allow_unsafe_types=self.allow_unsafe_types,
+                                                    columns=self.columns, zero_copy=self.zero_copy)
+        return dec
+
+    def _decode(self, k: int, j: int, data: bytes) -> Any:
+        m = self.metas[k]
+        begin = self._offsets_of(k)[j]
+        if m.compression is not None and m.compression.per_sample:
+            data = m.compression.codec.decompress(data, path=self._shard_url(k), offset=begin)
+        return self._decoder(k).decode(data, begin)
+
+    def _read(self, indices: list[int], early: bool = False) -> list[Any]:
+        """The samples at ``indices`` (in order): one coalesced read per shard they touch, by range GETs, or
+        with ``early`` from the shards' downloads into the node's cache (:meth:`_early_batch`)."""
+        by_shard: dict[int, list[tuple[int, int]]] = {}
+        for pos, i in enumerate(indices):
+            k, j = self._locate(i)
+            by_shard.setdefault(k, []).append((pos, j))
+
+        def spans(client: Any, k: int) -> list[tuple[int, int]]:
+            offs = self._offsets_of(k, client, early)
+            return [(offs[j], offs[j + 1]) for _, j in by_shard[k]]
+
+        got = self._read_spans(list(by_shard), spans, early)
+        out: list[Any] = [None] * len(indices)
+        for k, rows in by_shard.items():
+            offs = self._offsets[k]
+            for pos, j in rows:
+                out[pos] = self._decode(k, j, got[k].get(offs[j], offs[j + 1]))
+        return out
+
+    def _get(self, i: int) -> Any:
+        if self.mode == "ranges":
+            return self._read([i])[0]
+        return super()._get(i)
+
+    def __getitem__(self, i: int) -> Any:
+        if self.mode == "ranges":
+            n = len(self)
+            i = operator.index(i)
+            if i < 0:
+                i += n
+            if not 0 <= i < n:
+                raise IndexError(f"index {i} out of range for MDSDataset of {n} samples")
+            return self._read([i])[0]
+        return super().__getitem__(i)
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """A batch of samples (torch's DataLoader calls this with a batch's indices)."""
+        if self.mode != "ranges":
+            if self.cache_limit is None:
+                return self._early_batch(indices)
+            return self._limited_batch(indices)
+        return self._read(self._checked(indices))
+
+    def __iter__(self) -> Any:
+        if self.mode != "ranges":
+            yield from super().__iter__()
+            return
+        step = 256
+        for first in range(0, len(self), step):
+            yield from self._read(list(range(first, min(first + step, len(self)))))
+
+    # --- mode="shards" ---------------------------------------------------------------------------------
+    def _early_batch(self, indices: list[int]) -> list[Any]:
+        """A batch in ``mode="shards"`` with no ``cache_limit``. Samples of shards this process has mapped
+        or the node has cached are read from their maps. The others are read from their shards' downloads
+        into the cache (:meth:`FetcherClient.read`: started if not in progress, the parts holding these
+        samples fetched first), so a batch waits for a few parts, not for every whole shard it touches: an
+        exactly shuffled first batch touches nearly every shard. The downloads go on to whole shards, once
+        per node, and the next batches map them once complete. Shards compressed as a whole are mapped."""
+        idx = self._checked(indices)
+        out: list[Any] = [None] * len(idx)
+        early: list[int] = []
+        downloading: dict[int, bool] = {}  # shard -> read from its download (decided once per batch)
+        for pos, i in enumerate(idx):
+            k = bisect.bisect_right(self._bounds, i) - 1
+            if k not in downloading:
+                downloading[k] = (self._shards[k] is None and self.metas[k].zip_basename is None
+                                  and k not in self._complete and self._cached(k) is None)
+                if not downloading[k]:
+                    self._complete.add(k)
+            if downloading[k]:
+                early.append(pos)
+            else:
+                out[pos] = self[i]
+        if early:
+            for pos, sample in zip(early, self._read([idx[pos] for pos in early], early=True)):
+                out[pos] = sample
+        return out
+
+    # --- mode="shards" under a cache_limit ----------------------------------------------------------
+    def _limited_batch(self, indices: list[int]) -> list[Any]:
+        """A batch under a ``cache_limit``, read shard by shard (each shard this process touches is mapped
+        once for the batch, not once per sample).
+
+        When the whole shards this process downloads serve few samples each (fewer than ``BYPASS_SHARE`` of
+        a shard's samples per download, judged after ``BYPASS_AFTER`` downloads: an order with no locality,
+        such as an exact global shuffle, over a cache much smaller than the dataset, where the limit evicts
+        a shard before much of it is read), it stops downloading whole shards for a few samples: from then on a shard it has mapped or the node has
+        cached is read from its map, any other sample by its byte ranges as in ``mode="ranges"``. The
+        decision is left in the dataset's folder of the node cache, so the next epoch's workers of the
+        same training process start with it.
+        """
+        self._held_here()
+        bounds = self._bounds
+        idx = self._checked(indices)
+        by_shard: dict[int, list[int]] = {}
+        for pos, i in enumerate(idx):
+            by_shard.setdefault(bisect.bisect_right(bounds, i) - 1, []).append(pos)
+        out: list[Any] = [None] * len(idx)
+        ranged: list[int] = []
+        for k in sorted(by_shard):
+            positions = by_shard[k]
+            if self._bypass and self._shards[k] is None and self._cached(k) is None:
+                ranged += positions
+                continue
+            for pos in positions:
+                out[pos] = self[idx[pos]]
+            self._served += len(positions)
+        if ranged:
+            for pos, sample in zip(ranged, self._read([idx[pos] for pos in ranged])):
+                out[pos] = sample
+        return out
+
+    def _cached(self, k: int) -> str | None:
+        url, size, etag, hashes = self._objects(k)[0]
+        return self._client().cached(url, size, hashes=hashes, etag=etag)
+
+    def _new_process(self) -> None:
+        self._served = self._downloads = 0  # samples read from maps, whole shards downloaded: this process's
+        self._bypass = os.path.exists(self._bypass_marker())
+
+    def _on_download(self, k: int) -> None:
+        self._downloads += 1
+        before = self._downloads - 1  # what the downloads before this one served
+        if self._bypass or before < BYPASS_AFTER or any(m.zip_basename for m in self.metas):
+            return
+        if self._served / before < BYPASS_SHARE * len(self) / len(self.metas):
+            self._bypass = True
+            with contextlib.suppress(OSError):
+                open(self._bypass_marker(), "a").close()
+            log.info("%s: the whole shards this process downloaded served %.1f samples each under "
+                     "cache_limit=%d; reading uncached shards by byte ranges", self.url, self._served / before,
+                     self.cache_limit)
+
+    def _bypass_marker(self) -> str:
+        """Where the decision is left for the next workers of the same training process (their parent)."""
+        return os.path.join(self.folder, f".ranges-below-{self.cache_limit}-{os.getppid()}")
+
+    def _check_file(self, m: ShardMeta) -> str:
+        return ""  # fetched on first use (see _shard)
+
+    def _shard(self, k: int) -> Any:
+        if self.mode == "ranges":
+            raise ValueError("mode='ranges' maps no shard: this needs mode='shards'")
+        held = self._held_here()
+        shard = self._shards[k]
+        if shard is not None:
+            held.move_to_end(k)
+            return shard
+        if not self._room:  # a map and a hold per shard
+            ensure_open_files(2 * len(self.metas), "RemoteMDSDataset")
+            self._room = True
+        return self._mapped(k)
+
+    def _objects(self, k: int) -> list[tuple[str, int, str | None, dict[str, str] | None]]:
+        m = self.metas[k]
+        whole = m.zip_basename is not None  # the stored file is the compressed one
+        entry = m.raw.get("zip_data" if whole else "raw_data") or {}
+        hashes = entry.get("hashes") if isinstance(entry, dict) else None
+        return [(f"{self.url}/{m.zip_basename or m.raw_basename}", (m.zip_bytes or 0) if whole else m.raw_bytes,
+                 None, hashes if isinstance(hashes, dict) else None)]
+
+    def _map(self, k: int, paths: list[str]) -> tuple[Any, list[Any]]:
+        self._files[k] = paths[0]
+        shard = MDSDataset._shard(self, k)
+        return shard, [shard._mm]
+
+    def _drop(self, k: int | None) -> None:
+        if k is None:
+            self._shards = [None] * len(self.metas)
+            self._room = False
+        else:
+            self._shards[k] = None
+
+    def shard_files(self) -> list[str]:
+        return [os.path.join(self.folder, INDEX_BASENAME)] + [f for f in self._files if f]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self._remote_state(super().__getstate__())
+
+
+def _place(src: str, dst: str) -> None:
+    """Copy the fetched index.json to ``dst`` atomically (once: the folder is keyed by its version)."""
+    if os.path.exists(dst):
+        return
+    folder = os.path.dirname(dst)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".index-")
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,165 @@
+"""Safetensors column shards at a URL: :class:`RemoteSafetensorsDataset` (see
+:mod:`torchforge.datasets.remote`)."""
+from __future__ import annotations
+
+import bisect
+import os
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchforge.datasets.remote.shards import _RemoteShards, _Spans
+from torchforge.datasets.safetensors import OFFSETS, SafetensorsDataset, check_offsets
+from torchforge.errors import FormatError
+from torchforge.formats.safetensors import MAX_HEADER_SIZE, SafetensorsFile, parse_header, storage_shape
+
+
+class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
+    """A folder of safetensors column shards at a URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``).
+
+    Opening lists the folder (an ``http(s)://`` one is probed for ``shard-00000.safetensors``, ...) and
+    reads each shard's header with two small range reads (its columns and sample count), pinning every
+    object's ETag; a shard is fetched whole into the node's cache on first use, held in use while mapped
+    and read as a local shard (zero-copy views into its map: a sample keeps its shard mapped while it
+    lives). ``cache_limit``, ``cache_policy`` and prefetching work as for :class:`RemoteMDSDataset`. With
+    ``mode="ranges"`` no shard is fetched: a batch's rows are read by byte ranges, one coalesced read per
+    shard it touches, into tensors of their own.
+
+    Args:
+        url: the folder's URL.
+        columns: as :class:`~torchforge.datasets.safetensors.SafetensorsDataset`.
+        cache_dir, cache_limit, cache_policy, storage_options: as :class:`RemoteMDSDataset`.
+        mode: ``"shards"`` or ``"ranges"``.
+
+    Raises:
+        RemoteNotFoundError: nothing at the URL.
+        FormatError: no ``*.safetensors`` objects there.
+        SafetensorsError, CorruptShardError: a shard's header is invalid (names the URL and offset).
+    """
+
+    _FORMAT = "SafetensorsDataset"
+
+    def __init__(self, url: str, *, columns: Any = None, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = None, mode: str = "shards", cache_policy: str = "belady",
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        self._remote_setup(url, None, cache_dir, cache_limit, mode, cache_policy, storage_options)
+        client = self._client()
+        listed = self._listing(client, (".safetensors",))
+        names = sorted(n for n in listed if n.endswith(".safetensors") and not n.startswith("."))
+        if not names:
+            raise FormatError("folder holds no *.safetensors objects", path=self.url)
+        self.path = self.url
+        self._cols, self._ends = [], []
+        self._remote_objs = []
+        self._heads: list[tuple[int, dict[str, Any]]] = []  # (data start, header entries) per shard
+        for name in names:
+            u, size, etag = listed[name]
+            (head,) = client.get_ranges(u, [(0, min(8, size))], etag=etag, storage_options=self.storage_options)
+            if len(head) == 8:
+                (n,) = struct.unpack("<Q", head)
+                if n <= MAX_HEADER_SIZE and 8 + n <= size:
+                    (rest,) = client.get_ranges(u, [(8, 8 + n)], etag=etag, storage_options=self.storage_options)
+                    head += rest
+            n, infos, meta = parse_header(head, size, u)
+            self._add_shard(infos, meta, columns, u)
+            self._remote_objs.append([(u, size, etag, None)])
+            self._heads.append((8 + n, infos))
+        self._files = [""] * len(names)
+        self._open = {}
+        self._first = [0, *self._ends]
+        self._ragged: dict[tuple[int, str], np.ndarray] = {}  # (shard, column) -> offsets (mode="ranges")
+
+    # --- mode="ranges" ------------------------------------------------------------------------------
+    def __getitem__(self, i: int) -> Any:
+        if self.mode == "ranges":
+            return self.__getitems__([i])[0]
+        return super().__getitem__(i)
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """A batch of samples; in ``mode="ranges"`` each sample's rows are read by byte ranges, one
+        coalesced read per shard the batch touches."""
+        idx = self._checked(indices)
+        if self.mode != "ranges":
+            return [self._get(i) for i in idx]
+        by_shard: dict[int, list[tuple[int, int]]] = {}
+        for pos, i in enumerate(idx):
+            s = bisect.bisect_right(self._ends, i)
+            by_shard.setdefault(s, []).append((pos, i - (self._ends[s - 1] if s else 0)))
+
+        span_of: dict[tuple[int, int, str], tuple[int, int]] = {}  # (shard, row, column) -> its bytes
+
+        def spans(client: Any, s: int) -> list[tuple[int, int]]:
+            for _, j in by_shard[s]:
+                for c in self._cols[s]:
+                    span_of[(s, j, c)] = self._row_span(client, s, c, j)
+            return [span_of[(s, j, c)] for _, j in by_shard[s] for c in self._cols[s]]
+
+        got = self._read_spans(list(by_shard), spans)
+        out: list[Any] = [None] * len(idx)
+        for s, rows in by_shard.items():
+            for pos, j in rows:
+                out[pos] = {c: self._row_tensor(s, c, j, span_of[(s, j, c)], got[s]) for c in self._cols[s]}
+        return out
+
+    def _row_span(self, client: Any, s: int, c: str, j: int) -> tuple[int, int]:
+        """The bytes of sample ``j`` of column ``c`` in shard ``s``: row ``j`` of the column as a local shard
+        exposes it, or a ragged column's rows ``offsets[j]:offsets[j + 1]`` (its offsets read once, one
+        range, and checked as a local shard's are)."""
+        start, infos = self._heads[s]
+        info = infos[c]
+        url = self._objects(s)[0][0]
+        rows = storage_shape(info, url)[1][0]
+        width = (info.end - info.start) // rows if rows else 0  # bytes per row
+        lo, hi = j, j + 1
+        if self._cols[s][c]:
+            off = self._ragged.get((s, c))
+            if off is None:
+                oi = infos[c + OFFSETS]
+                (raw,) = client.get_ranges(url, [(start + oi.start, start + oi.end)], etag=self._objects(s)[0][2],
+                                           storage_options=self.storage_options)
+                off = self._ragged[(s, c)] = check_offsets(np.frombuffer(raw, dtype="<i8"), oi.shape[0] - 1, rows,
+                                                           c, url, start + oi.start)
+            lo, hi = int(off[j]), int(off[j + 1])
+        return start + info.start + lo * width, start + info.start + hi * width
+
+    def _row_tensor(self, s: int, c: str, j: int, span: tuple[int, int], spans: _Spans) -> torch.Tensor:
+        """Sample ``j``'s value of column ``c`` (its bytes ``span``) from the bytes read: what a local shard's
+        ``t[j]`` (or ``t[offsets[j]:offsets[j + 1]]``) holds, as a tensor of its own."""
+        dtype, shape = storage_shape(self._heads[s][1][c], self._objects(s)[0][0])
+        b, e = span
+        off = self._ragged.get((s, c))
+        out = (*(() if off is None else (int(off[j + 1] - off[j]),)), *shape[1:])
+        if e == b:
+            return torch.empty(out, dtype=dtype)
+        return torch.frombuffer(bytearray(spans.get(b, e)), dtype=torch.uint8).view(dtype).reshape(out)
+
+    def _shard(self, s: int) -> Any:
+        held = self._held_here()
+        got = self._open.get(s)
+        if got is not None:
+            held.move_to_end(s)
+            return got
+        return self._mapped(s)
+
+    def _objects(self, k: int) -> list[tuple[str, int, str | None, dict[str, str] | None]]:
+        return self._remote_objs[k]
+
+    def _map(self, k: int, paths: list[str]) -> tuple[Any, list[Any]]:
+        self._files[k] = paths[0]
+        f = SafetensorsFile(paths[0])
+        return self._load(k, f), [f._buf]
+
+    def _drop(self, k: int | None) -> None:
+        if k is None:
+            self._open = {}
+        else:
+            self._open.pop(k, None)
+
+    def shard_files(self) -> list[str]:
+        return [p for k in sorted(self._fetched) for p in self._fetched[k]]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self._remote_state(super().__getstate__())

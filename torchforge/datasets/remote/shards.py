@@ -1,0 +1,400 @@
+"""What every dataset at a URL shares: fetcher connections, shards fetched whole into the node's cache
+and held while mapped, prefetching in the sampler's order, and coalesced byte-range reads."""
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import mmap
+import operator
+import os
+import threading
+import warnings
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from torchforge.remote import FetcherClient, RemoteNotFoundError, connect
+from torchforge.sizes import parse_size
+
+log = logging.getLogger(__name__)
+
+MODES = ("shards", "ranges")
+POLICIES = ("belady", "lru")
+NEXT_USE = 8  # shards named as "needed next" in each fetch request (Belady's rule evicts the others first)
+RANGE_WASTE = 0.1  # bytes between merged ranges, as a share of the bytes a batch reads
+READERS = 8  # shards whose ranges a process reads at once (one fetcher connection each)
+
+
+class _RemoteShards:
+    """What every dataset at a URL shares in ``mode="shards"``: this process's fetcher connections, shards
+    fetched whole into the node's cache and held in use while mapped, the least recently used maps
+    dropped under a ``cache_limit``, and prefetching in the sampler's order.
+
+    A subclass lists each shard's stored objects (:meth:`_objects`), maps fetched files (:meth:`_map`)
+    and drops its own maps (:meth:`_drop`); ``_first`` holds the first sample index of every shard (and
+    the total last).
+    """
+
+    url: str
+    mode: str
+    _first: list[int]
+
+    _FORMAT = "dataset"  # named in index errors
+    _EARLY = False  # reads samples of shards still downloading (mode="shards", no cache_limit): RemoteMDSDataset
+
+    def _remote_setup(self, url: str, split: str | None, cache_dir: str | os.PathLike | None,
+                      cache_limit: int | str | None, mode: str, cache_policy: str,
+                      storage_options: Mapping[str, Any] | None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not one of {list(MODES)}")
+        if cache_policy not in POLICIES:
+            raise ValueError(f"cache_policy={cache_policy!r} is not one of {list(POLICIES)}")
+        self.cache_policy = cache_policy
+        self.url = url.rstrip("/") + (f"/{split.strip('/')}" if split else "")
+        self.mode = mode
+        self.storage_options = dict(storage_options or {})
+        self.cache_limit = None if cache_limit is None else parse_size(cache_limit, option="cache_limit")
+        self._remote_cache = None if cache_dir is None else os.path.abspath(os.fspath(cache_dir))
+        self._client_of: tuple[Any, ...] | None = None  # (pid, connections, thread pool)
+        self._held: tuple[int, OrderedDict[int, int]] | None = None  # (pid, this process's mapped shards)
+        self._fetched: dict[int, list[str]] = {}  # shard -> its files in the cache, as last fetched
+        self._plan: list[int] = []  # shards in the order of first use, as the last prefetch() was told
+        self._prefetcher: tuple[int, threading.Thread, threading.Event] | None = None  # (pid, thread, stop)
+        self._bypass = False  # this process reads uncached shards by ranges (see RemoteMDSDataset)
+        self._complete: set[int] = set()  # shards seen cached or mapped (mode="shards", no cache_limit)
+
+    # --- what a subclass supplies -------------------------------------------------------------------
+    def _objects(self, k: int) -> list[tuple[str, int, str | None, dict[str, str] | None]]:
+        """Shard ``k``'s stored objects: (URL, size, pinned ETag or None, hashes or None)."""
+        raise NotImplementedError
+
+    def _map(self, k: int, paths: list[str]) -> tuple[Any, list[Any]]:
+        """Shard ``k`` mapped from its fetched files (raises FileNotFoundError if one is gone), and its
+        mmap objects (the shard is held in use while any of them lives)."""
+        raise NotImplementedError
+
+    def _drop(self, k: int | None) -> None:
+        """Forget this process's map of shard ``k`` (every map with None); it goes when unused."""
+        raise NotImplementedError
+
+    # --- connections --------------------------------------------------------------------------------
+    def _client(self) -> Any:
+        """This process's connection to the node's fetcher (a forked worker opens its own)."""
+        return self._clients()[0]
+
+    def _clients(self) -> list[Any]:
+        """This process's ``READERS`` connections to the fetcher (one request at a time each) and the
+        threads that use them to read several shards' ranges at once."""
+        n = READERS if self.mode == "ranges" or self._bypass or (self._EARLY and self.cache_limit is None) else 1
+        if self._client_of is None or self._client_of[0] != os.getpid() or len(self._client_of[1]) < n:
+            # the first is the process's shared client (the calling thread's); the reader threads each get
+            # their own connection: a client serves one request at a time
+            mine = self._client_of is not None and self._client_of[0] == os.getpid()
+            clients = self._client_of[1] if mine else [connect(self._remote_cache)]
+            clients += [FetcherClient(self._remote_cache) for _ in range(n - len(clients))]
+            self._client_of = (os.getpid(), clients, ThreadPoolExecutor(n, thread_name_prefix="torchforge-ranges"))
+        return self._client_of[1]
+
+    def _listing(self, client: Any, suffixes: tuple[str, ...]) -> dict[str, tuple[str, int, str | None]]:
+        """The folder's top-level objects: name -> (URL, size, ETag). An ``http(s)://`` folder cannot be
+        listed: ``shard-00000<suffix>``, ``shard-00001<suffix>``, ... are looked for instead (the first
+        suffix names the shard, the others its companions), until the first shard missing."""
+        if self.url.split("://", 1)[0] in ("http", "https"):
+            return self._probe(client, suffixes)
+        out = {}
+        for u, size, etag in client.list_versions(self.url + "/", storage_options=self.storage_options):
+            name = u[len(self.url) + 1:]
+            if "/" not in name:
+                out[name] = (u, size, etag)
+        if not out:
+            raise RemoteNotFoundError("no objects below this URL", url=self.url)
+        return out
+
+    def _probe(self, client: Any, suffixes: tuple[str, ...]) -> dict[str, tuple[str, int, str | None]]:
+        out: dict[str, tuple[str, int, str | None]] = {}
+        for k in itertools.count():
+            for name in (f"shard-{k:05d}{suffix}" for suffix in suffixes):
+                u = f"{self.url}/{name}"
+                try:
+                    info = client.head(u, storage_options=self.storage_options)
+                except RemoteNotFoundError:
+                    if name.endswith(suffixes[0]):
+                        if not out:
+                            raise
+                        return out
+                    continue
+                out[name] = (u, info.size, info.etag)
+        raise AssertionError("unreachable")
+
+    def _checked(self, indices: list[int]) -> list[int]:
+        """A batch's indices as non-negative ints; IndexError (naming the format) for one out of range."""
+        n = len(self)
+        idx = [operator.index(i) for i in indices]
+        for i in idx:
+            if not -n <= i < n:
+                raise IndexError(f"index {i} out of range for {self._FORMAT} of {n} samples")
+        return [i + n if i < 0 else i for i in idx]
+
+    # --- reading byte ranges (mode="ranges", and early reads of downloads in progress) ------------------
+    def _read_spans(self, shards: list[int], spans_of: Callable[[Any, int], list[tuple[int, int]]],
+                    early: bool = False) -> dict[int, _Spans]:
+        """Each shard's byte spans ``spans_of(client, k)`` (merged where the gaps cost at most
+        ``RANGE_WASTE`` of the bytes wanted), read with one request per shard, ``READERS`` shards at a time
+        on their own connections: by range GETs, or with ``early`` from the shards' downloads into the
+        node's cache (:meth:`_download_read`)."""
+        clients = self._clients()
+
+        def read(n: int, k: int) -> _Spans:
+            client = clients[n % len(clients)]
+            merged = _merge(sorted(set(spans_of(client, k))), RANGE_WASTE)
+            if early:
+                return _Spans(merged, self._download_read(client, k, merged))
+            url, _, etag, _ = self._objects(k)[0]
+            return _Spans(merged, client.get_ranges(url, merged, etag=etag, gap=0,
+                                                    storage_options=self.storage_options))
+
+        if len(shards) == 1:
+            return {shards[0]: read(0, shards[0])}
+        assert self._client_of is not None
+        return dict(zip(shards, self._client_of[2].map(read, range(len(shards)), shards)))
+
+    def _download_read(self, client: Any, k: int, spans: list[tuple[int, int]]) -> list[bytes]:
+        """``spans`` of shard ``k`` read from its download into the node's cache (see
+        :meth:`RemoteMDSDataset._early_batch`); a shard found complete is mapped from then on."""
+        url, size, etag, hashes = self._objects(k)[0]
+        blobs, path = client.read(url, size, spans, hashes=hashes, etag=etag, cache_limit=self.cache_limit,
+                                  policy=self.cache_policy, next_use=self._next_use(k),
+                                  storage_options=self.storage_options)
+        if path is not None:
+            self._fetched[k] = [path]
+            self._complete.add(k)
+        return blobs
+
+    # --- fetching and holding -----------------------------------------------------------------------
+    def _mapped(self, k: int) -> Any:
+        """Shard ``k`` mapped, fetched into the node's cache first if absent.
+
+        A mapped shard is held in use (:meth:`ObjectCache.hold`) until its maps are gone (the last sample
+        or zero-copy value that needs them included), so no process's eviction removes a file a reader
+        has mapped: an unlinked file that is still mapped keeps its disk space, which the cache could not
+        count. With a ``cache_limit`` a process keeps at most its share of half the limit mapped (the
+        limit over twice the node's reading processes: ``LOCAL_WORLD_SIZE`` times the DataLoader's
+        workers), dropping its least recently used maps first, and holds nothing more while it waits for
+        room.
+        """
+        held = self._held_here()
+        size = self._stored_bytes(k)
+        self._make_room(held, size)
+        cache = self._client().cache  # the client's view of the node's cache (no folders made per map)
+        pins: list[int] = []
+        try:
+            for url, *_ in self._objects(k):
+                pins.append(cache.hold(url))
+            for attempt in range(3):
+                paths = self._fetched.get(k)
+                if not paths or not all(os.path.exists(p) for p in paths):  # evicted before it was held
+                    client = self._client()
+                    paths = self._fetched[k] = self._fetch(client, k, self._next_use(k))
+                    if client.downloaded:  # (the last object) came over the network, not from the cache
+                        self._on_download(k)
+                try:
+                    shard, maps = self._map(k, paths)
+                    break
+                except FileNotFoundError:
+                    self._fetched.pop(k, None)
+                    if attempt == 2:
+                        raise
+        except BaseException:
+            for fd in pins:
+                os.close(fd)
+            raise
+        maps = [m for m in maps if isinstance(m, mmap.mmap)]
+        release = _Release(pins, len(maps))
+        for m in maps:
+            weakref.finalize(m, release.one_gone)  # let go when the maps are gone, not before
+        held[k] = size
+        self._maps_made += 1
+        shards = len(self._first) - 1
+        if self.cache_limit is not None and self._maps_made == 8 * shards + 1:
+            warnings.warn(f"{self.url}: this process mapped its shards {self._maps_made - 1} times ({shards} shards): "
+                          f"cache_limit={self.cache_limit} bytes is small for this read order, and whole shards are "
+                          "fetched again and again for a few samples each. mode='ranges' reads only the samples' "
+                          "bytes; GlobalSampler(bucket_size=\"shards\") reads one shard at a time",
+                          RuntimeWarning, stacklevel=2)
+        return shard
+
+    def _held_here(self) -> OrderedDict[int, int]:
+        """This process's mapped shards (shard -> bytes), least recently used first. A forked worker
+        drops the maps it inherited (its copies of their holds go with them)."""
+        if self._held is None or self._held[0] != os.getpid():
+            if self._held is not None:
+                self._drop(None)
+            self._held = (os.getpid(), OrderedDict())
+            self._maps_made = 0
+            self._new_process()
+        return self._held[1]
+
+    def _new_process(self) -> None:
+        """This process maps its first shard (a subclass may reset its per-process state)."""
+
+    def _make_room(self, held: OrderedDict[int, int], size: int) -> None:
+        if self.cache_limit is None:
+            return
+        import torch.utils.data
+
+        procs = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+        info = torch.utils.data.get_worker_info()
+        if info is not None:
+            procs *= max(1, info.num_workers)
+        budget = self.cache_limit / (2 * procs)
+        total = sum(held.values())
+        while held and total + size > budget:
+            old, nbytes = held.popitem(last=False)
+            self._drop(old)  # unmapped, and its hold released, once nothing uses it
+            total -= nbytes
+
+    def _on_download(self, k: int) -> None:
+        """This process's fetch of shard ``k`` downloaded it (a subclass may keep count)."""
+
+    def _fetch(self, client: Any, k: int, next_use: list[str]) -> list[str]:
+        """Shard ``k``'s objects in the node's cache (fetched if absent): their paths."""
+        return [client.fetch(url, size, hashes=hashes, etag=etag, cache_limit=self.cache_limit,
+                             policy=self.cache_policy, storage_options=self.storage_options, next_use=next_use)
+                for url, size, etag, hashes in self._objects(k)]
+
+    def _url_of(self, k: int) -> str:
+        """The URL of shard ``k``'s (first) stored object."""
+        return self._objects(k)[0][0]
+
+    def _stored_bytes(self, k: int) -> int:
+        """The bytes of shard ``k``'s stored objects."""
+        return sum(size for _, size, _, _ in self._objects(k))
+
+    def _next_use(self, k: int) -> list[str]:
+        """The URLs needed after shard ``k``: from the planned order when there is one, else the next
+        shards in index order."""
+        plan = self._plan
+        if k in plan:
+            at = plan.index(k) + 1
+            after = plan[at:at + NEXT_USE]
+        else:
+            after = list(range(k + 1, min(k + 1 + NEXT_USE, len(self._first) - 1)))
+        return [url for j in after for url, *_ in self._objects(j)]
+
+    # --- prefetching --------------------------------------------------------------------------------
+    def shard_order(self, indices: Any) -> list[int]:
+        """The shards that ``indices`` read, in the order of their first use."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size == 0:
+            return []
+        ks = np.searchsorted(np.asarray(self._first, dtype=np.int64), idx, side="right") - 1
+        _, first = np.unique(ks, return_index=True)
+        return ks[np.sort(first)].tolist()
+
+    def prefetch(self, indices: Any, *, wait: bool = False) -> None:
+        """Fetch the shards of ``indices`` (the samples this process's loader will read, in order) into the
+        node's cache in the order of first use, on a background thread; returns at once, or when every
+        fetch is done with ``wait=True`` (to warm a cache before training). A new call replaces the
+        previous plan. Errors are left to the read that needs the shard (it raises them, typed and naming
+        the URL). Nothing to do in ``mode="ranges"``."""
+        self.stop_prefetch()
+        if self.mode != "shards":
+            return
+        order = self.shard_order(indices)
+        self._plan = order
+        if not order:
+            return
+        stop = threading.Event()
+        thread = threading.Thread(target=self._prefetch_run, args=(order, stop), daemon=True,
+                                  name="torchforge-prefetch")
+        self._prefetcher = (os.getpid(), thread, stop)
+        thread.start()
+        if wait:
+            thread.join()
+
+    def stop_prefetch(self) -> None:
+        """Stop this process's prefetching after the fetch in flight (waits for it)."""
+        running, self._prefetcher = self._prefetcher, None
+        if running is not None and running[0] == os.getpid():
+            running[2].set()
+            running[1].join()
+
+    def _prefetch_run(self, order: list[int], stop: threading.Event) -> None:
+        budget = self.cache_limit / 2 if self.cache_limit is not None else float("inf")
+        client = FetcherClient(self._remote_cache)  # its own connection, closed when done
+        try:
+            ahead = 0
+            for pos, k in enumerate(order):
+                ahead += self._stored_bytes(k)
+                if stop.is_set() or ahead > budget:
+                    return
+                try:
+                    self._fetch(client, k, [url for j in order[pos + 1:pos + 1 + NEXT_USE]
+                                            for url, *_ in self._objects(j)])
+                except Exception as e:  # noqa: BLE001 - the reader that needs this shard raises it
+                    log.debug("prefetch of %s stopped: %s", self._url_of(k), e)
+                    return
+        finally:
+            client.close()
+
+    def _remote_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (a pickled dataset's) without this process's connections, maps and threads."""
+        state["_client_of"] = None  # a connection does not travel: the other process opens its own
+        state["_held"] = None
+        state["_prefetcher"] = None
+        return state
+
+
+class _Release:
+    """Closes the hold descriptors once ``maps`` maps are gone (at once when there are none)."""
+
+    def __init__(self, fds: list[int], maps: int) -> None:
+        self.fds, self.left = fds, maps
+        if maps == 0:
+            self.one_gone(final=True)
+
+    def one_gone(self, final: bool = False) -> None:
+        self.left -= 0 if final else 1
+        if self.left <= 0:
+            fds, self.fds = self.fds, []
+            for fd in fds:
+                os.close(fd)
+
+class _Spans:
+    """Merged byte spans of one object and their bytes; :meth:`get` cuts out any range inside them."""
+
+    def __init__(self, merged: list[tuple[int, int]], blobs: list[bytes]) -> None:
+        self.merged = merged
+        self.blobs = blobs
+
+    def get(self, b: int, e: int) -> bytes:
+        r = bisect.bisect_right(self.merged, (b, float("inf"))) - 1
+        start = self.merged[r][0]
+        return bytes(self.blobs[r][b - start:e - start])
+
+
+def _merge(spans: list[tuple[int, int]], waste: float) -> list[tuple[int, int]]:
+    """Sorted byte ranges merged across their smallest gaps while the gap bytes fetched stay within
+    ``waste`` of the bytes the ranges hold (touching ranges always merge)."""
+    if not spans:
+        return []
+    budget = waste * sum(e - s for s, e in spans)
+    gaps = sorted((spans[i + 1][0] - spans[i][1], i) for i in range(len(spans) - 1))
+    join = set()
+    for gap, i in gaps:
+        if gap > 0 and gap > budget:
+            break
+        join.add(i)
+        budget -= max(gap, 0)
+    out = [list(spans[0])]
+    for i in range(1, len(spans)):
+        if i - 1 in join:
+            out[-1][1] = max(out[-1][1], spans[i][1])
+        else:
+            out.append(list(spans[i]))
+    return [(s, e) for s, e in out]
