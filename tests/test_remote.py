@@ -1245,6 +1245,117 @@ def test_safetensors_shards_at_a_url_in_ranges_mode_read_rows_by_coalesced_range
     assert all(same(s, expected[int(s["y"])]) for s in seen)
 
 
+@pytest.mark.parametrize("fixture", ["jinx-b64-multishard", "jinx-b64-zst-binx", "jinx-a85-zst-inline"])
+def test_a_jinx_dataset_at_a_url_in_ranges_mode_reads_lines_then_sidecar_values_by_coalesced_ranges(env, tmp_path,
+                                                                                                    capsys, fixture):
+    import random
+
+    from expected import rich, same
+
+    import torchforge
+    from torchforge.cli import main
+    from torchforge.sampler import GlobalSampler
+
+    _client, proxy, put = env
+    local, m = _interop(fixture)  # MLDataForge's shards: index inline (plain or zst), or in the sidecar
+    prefix = f"jx/ranges-{fixture}"
+    _upload_folder(put, local, prefix)
+    url = f"s3://{BUCKET}/{prefix}"
+    ds = torchforge.open_dataset(url, mode="ranges", cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    expected = list(rich(m["n"], m["seed"], m["tensors"]))
+    assert len(ds) == m["n"]
+    order = list(range(m["n"]))
+    random.Random(5).shuffle(order)  # an exact global shuffle
+    proxy.reset()
+    got = {}
+    half = len(order) // 2  # batches as dense in the dataset as the MDS ranges test's
+    for b in range(0, len(order), half):
+        batch = order[b:b + half]
+        got.update(zip(batch, ds.__getitems__(batch)))
+    assert [same(expected[i], got[i]) for i in range(m["n"])] == [""] * m["n"]  # lazy samples, decoded later
+    # every line and every sidecar value read once over the epoch: within 1.1x of those bytes
+    lines = sum(torchforge.JinxDataset(os.path.join(local, n)).shards[0]._footer_offset
+                for n in os.listdir(local) if n.endswith(".jinx"))
+    sidecars = sum(os.path.getsize(os.path.join(local, n)) for n in os.listdir(local) if n.endswith(".binx"))
+    assert lines <= proxy.bytes_sent <= 1.1 * (lines + sidecars), (proxy.bytes_sent, lines, sidecars)
+    assert proxy.gets and all(rng for _, rng in proxy.gets)  # ranges only, never a whole object
+    assert len(proxy.gets) < m["n"]  # coalesced: fewer GETs than samples (a line and its values: two objects)
+    assert not os.path.exists(tmp_path / "cache" / "remote" / "objects") or not os.listdir(
+        tmp_path / "cache" / "remote" / "objects")  # nothing downloaded whole
+    assert same(expected[-1], ds[-1]) == "" and same(expected[3], ds.__getitems__([-1, 3])[1]) == ""
+    with pytest.raises(IndexError, match="out of range"):
+        ds[m["n"]]
+    assert [s.num_samples for s in ds.shards] == ds._counts  # footers and indexes, no lines
+    with pytest.raises(ValueError, match="holds its index, not its lines"):
+        ds.shards[0].sample(0)
+    so = ["--storage-option", f"endpoint={proxy.url}", "--mode", "ranges", "--cache-dir", str(tmp_path / "cache")]
+    assert main(["inspect", url, "--json", *so]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["samples"] == m["n"] and info["mode"] == "ranges" and info["shard count"] == len(ds.shards)
+    assert main(["bench", url, "--limit", "40", *so]) == 0 and "shuffle" in capsys.readouterr().out
+    # eager samples, iteration, pickling (spawned workers), and the loader's forked workers in the sampler's order
+    eager = torchforge.JinxDataset(url, False, mode="ranges", cache_dir=tmp_path / "cache",
+                                   storage_options=_via(proxy))
+    assert type(eager[7]) is dict and same(expected[7], eager[7]) == ""
+    assert [same(e, s) for e, s in zip(expected, pickle.loads(pickle.dumps(eager)))] == [""] * m["n"]
+    sampler = GlobalSampler(len(ds), seed=3)
+    loader = torchforge.DataLoader(ds, batch_size=16, sampler=sampler, num_workers=2, collate_fn=list)
+    seen = [s for batch in loader for s in batch]
+    want = sampler.indices(0, len(sampler)).tolist()
+    assert [same(expected[i], s) for i, s in zip(want, seen)] == [""] * len(want)
+
+
+def test_a_jinx_dataset_in_ranges_mode_names_a_bad_line_or_a_truncated_sidecar_at_its_url(env, tmp_path):
+    import torchforge
+    from torchforge.errors import CorruptShardError
+
+    _client, proxy, put = env
+    local, m = _interop("jinx-b64-multishard")
+    _upload_folder(put, local, "jx/ranges-bad")
+    with open(os.path.join(local, "shard-00001.jinx"), "rb") as f:
+        data = f.read()
+    shard = torchforge.JinxDataset(os.path.join(local, "shard-00001.jinx")).shards[0]
+    line = int(shard.offsets[4])  # sample 4 of shard 1: its first byte flipped, no longer JSON
+    put("jx/ranges-bad/shard-00001.jinx", data[:line] + b"!" + data[line + 1:])
+    with open(os.path.join(local, "shard-00002.binx"), "rb") as f:
+        side = f.read()
+    put("jx/ranges-bad/shard-00002.binx", side[: len(side) // 2])  # a truncated sidecar
+    url = f"s3://{BUCKET}/jx/ranges-bad"
+    ds = torchforge.open_dataset(url, mode="ranges", lazy=False, cache_dir=tmp_path / "cache",
+                                 storage_options=_via(proxy))
+    first1, first2, first3 = (next(i for i in range(len(ds)) if ds.locate(i) == (k, 0)) for k in (1, 2, 3))
+    with pytest.raises(CorruptShardError, match="shard-00001.jinx.*not a JSON line") as e:
+        ds.__getitems__([0, first1 + 4])
+    assert e.value.offset == line
+    with pytest.raises(CorruptShardError, match="shard-00002.binx.*past its end"):
+        ds.__getitems__(list(range(first2, first3)))
+    assert ds[first1 + 3] is not None and ds[0] is not None  # the rest still reads
+    skipping = torchforge.open_dataset(url, mode="ranges", lazy=False, on_error="skip", cache_dir=tmp_path / "cache",
+                                       storage_options=_via(proxy))
+    kept = list(skipping)
+    assert skipping.skipped >= 2 and len(kept) == m["n"] - skipping.skipped  # the bad line and the values past the end
+    assert all(type(s) is dict for s in kept)
+
+
+def test_key_caches_of_two_datasets_at_urls_read_by_ranges_never_mix(env, tmp_path):
+    import torch
+
+    import torchforge
+
+    _client, proxy, put = env
+    urls = []
+    for name, base in (("ka", 0), ("kb", 100)):
+        _put_columns(put, tmp_path / name, f"st/{name}", 10, ({"y": torch.tensor(float(base + i))} for i in range(30)))
+        urls.append(f"s3://{BUCKET}/st/{name}")
+    for mode in ("ranges", "shards"):
+        keys = [torchforge.open_dataset(u, mode=mode, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+                .keys("y") for u in urls]  # the key cache is keyed by URL and version, not by fetched files
+        assert keys[0].tolist() == list(range(30)) and keys[1].tolist() == list(range(100, 130)), mode
+    _put_columns(put, tmp_path / "kc", "st/ka", 10, ({"y": torch.tensor(-float(i))} for i in range(30)))
+    again = torchforge.open_dataset(urls[0], mode="ranges", cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    assert again.keys("y").tolist() == [-float(i) for i in range(30)]  # overwritten: a new version, new keys
+
+
 def test_cli_inspect_and_verify_a_jinx_url_and_name_a_damaged_shard(env, tmp_path, capsys):
     from torchforge.cli import main
 

@@ -115,6 +115,10 @@ class ShardDataset(torch.utils.data.Dataset):
             except OSError:
                 return None
             h.update(f"\0{os.path.abspath(f)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        return self._key_cache_file(h)
+
+    def _key_cache_file(self, h: Any) -> str | None:
+        """The key cache file of the identity hashed in ``h`` (None when there is no cache folder)."""
         try:
             folder = user_cache_dir("keys")
         except OSError as e:  # the cache is an optimisation only

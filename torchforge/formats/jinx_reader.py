@@ -129,6 +129,11 @@ class JinxShard:
             raise self._fail(f"footer is not valid JSON ({e})", foot) from None
         if type(footer) is not dict:
             raise self._fail(f"footer is a JSON {type(footer).__name__}, expected an object", foot)
+        self._load_footer(footer, foot, size)
+
+    def _load_footer(self, footer: dict, foot: int, size: int) -> None:
+        """Check the footer (the JSON object at byte ``foot`` of a file of ``size`` bytes) and decode its
+        index: the shard's settings, sample count and offsets."""
         self._footer_offset = foot
         self.ext_sep = footer.get("ext_sep", ".")
         self.encoding = footer.get("encoding", "a85")
@@ -195,19 +200,26 @@ class JinxShard:
             loc: the location object from the shard.
             offset: byte offset in the shard of the line that holds ``loc`` (for errors).
         """
+        bmv = self._bin_mv
+        o, n = self._reference(loc, offset, len(bmv) if bmv is not None else -1)
+        if bmv is None:
+            bmv = self._open_sidecar(offset)
+            self._reference(loc, offset, len(bmv))
+        return bmv[o:o + n]
+
+    def _reference(self, loc: Any, offset: int, size: int) -> tuple[int, int]:
+        """A sidecar reference's (offset, length), checked: integers, not negative, and (when the sidecar's
+        ``size`` is known, not -1) inside it. ``offset``: the line's, for errors."""
         if type(loc) is not dict:
             raise self._fail(f"sidecar reference is a {type(loc).__name__}, expected "
                              "{'offset': int, 'length': int}", offset)
         o, n = loc.get("offset"), loc.get("length")
         if type(o) is not int or type(n) is not int or o < 0 or n < 0:
             raise self._fail(f"sidecar reference {loc!r} needs non-negative integer offset and length", offset)
-        bmv = self._bin_mv
-        if bmv is None:
-            bmv = self._open_sidecar(offset)
-        if o + n > len(bmv):
-            raise self._fail(f"value at sidecar bytes {o}..{o + n} is past its end ({len(bmv)} bytes): "
+        if size >= 0 and o + n > size:
+            raise self._fail(f"value at sidecar bytes {o}..{o + n} is past its end ({size} bytes): "
                              "truncated or wrong sidecar", o, self.bin_path)
-        return bmv[o:o + n]
+        return o, n
 
     def _open_sidecar(self, offset: int) -> memoryview:
         try:
@@ -224,6 +236,11 @@ class JinxShard:
     # --- lines -----------------------------------------------------------------------------------------
     def sample(self, j: int, lazy: bool = True) -> Any:
         """Sample ``j`` (0 <= j < num_samples, not checked here): a LazySample or a plain dict."""
+        obj, start = self.line(j)
+        return lazy_sample(obj, self, start) if lazy else self.eager(obj, start)
+
+    def line(self, j: int) -> tuple[dict, int]:
+        """Sample ``j``'s line parsed (its values not decoded) and the byte offset where it starts."""
         offs = self._offs
         start = offs[j]
         try:
@@ -232,7 +249,7 @@ class JinxShard:
             raise self._fail(f"sample {j} is not a JSON line ({e})", start) from None
         if type(obj) is not dict:
             raise self._fail(f"sample {j} is a JSON {type(obj).__name__}, expected an object", start)
-        return lazy_sample(obj, self, start) if lazy else self.eager(obj, start)
+        return obj, start
 
     def iter_samples(self, lazy: bool = True, start: int = 0,
                      on_error: Callable[[TorchforgeError], None] | None = None) -> Iterator[Any]:

@@ -34,9 +34,11 @@ removes a file a reader maps, so the disk the cache uses is the files it can cou
 JINX (:class:`RemoteJinxDataset`) and safetensors column shards (:class:`RemoteSafetensorsDataset`) have
 no index of the whole dataset: the folder is listed (probed over ``http(s)://``), each shard's footer or
 header is read with small range reads, and every object's ETag is pinned; shards (and JINX sidecars) are
-then fetched whole on first use like MDS shards. Safetensors shards also read in ``mode="ranges"``: a
-sample is one row of each column (a ragged column's rows between two of its offsets, read once per shard),
-a batch one coalesced read per shard as for MDS. JINX reads in ``mode="shards"`` only.
+then fetched whole on first use like MDS shards. Both read in ``mode="ranges"`` too. A safetensors sample
+is one row of each column (a ragged column's rows between two of its offsets, read once per shard), a batch
+one coalesced read per shard as for MDS. A JINX shard's index is decoded when the dataset opens (from the
+footer, or one range of the sidecar), and a batch is two rounds of coalesced reads per shard: the lines,
+then the sidecar values they point at.
 """
 from __future__ import annotations
 

@@ -1,19 +1,22 @@
 """A JINX dataset at a URL: :class:`RemoteJinxDataset` (see :mod:`torchforge.datasets.remote`)."""
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import orjson
 
 from torchforge._limits import ensure_open_files
 from torchforge.datasets.jinx import JinxDataset
-from torchforge.datasets.remote.shards import _RemoteShards
-from torchforge.errors import CorruptShardError, FormatError
+from torchforge.datasets.remote.shards import _RemoteShards, _Spans
+from torchforge.errors import CorruptShardError, FormatError, TorchforgeError
 from torchforge.formats.jinx_reader import JinxShard
+from torchforge.lazy import lazy_sample
 
 
 class RemoteJinxDataset(_RemoteShards, JinxDataset):
@@ -24,17 +27,22 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
     ``shard-00001.jinx``, ... instead) and reads each shard's footer with one or two small range reads
     (its sample count and split), so nothing is downloaded whole until a sample needs it. Every object's
     ETag is pinned then: a shard overwritten at the same URL afterwards raises
-    :class:`~torchforge.remote.RemoteChangedError` naming it, never mixed into an epoch. A shard and its
-    sidecar are fetched whole into the node's cache on first use (one download per node), held in use
-    while mapped, and read as local shards; prefetching, ``cache_limit`` and ``cache_policy`` work as for
-    :class:`RemoteMDSDataset`.
+    :class:`~torchforge.remote.RemoteChangedError` naming it, never mixed into an epoch. In
+    ``mode="shards"`` a shard and its sidecar are fetched whole into the node's cache on first use (one
+    download per node), held in use while mapped, and read as local shards; prefetching, ``cache_limit``
+    and ``cache_policy`` work as for :class:`RemoteMDSDataset`.
+
+    In ``mode="ranges"`` nothing is fetched whole: opening also decodes each shard's index (from the footer
+    already read, or one range of the sidecar when the index lives there), and a batch is two rounds of
+    coalesced range reads, one request per shard touched in each: the samples' lines, then the sidecar
+    values those lines point at (every ``.bin`` reference in them; a lazy sample decodes from these bytes,
+    whichever fields it is asked for).
 
     Args:
         url: the folder's URL.
         lazy, split, on_error: as :class:`~torchforge.datasets.jinx.JinxDataset`.
         cache_dir, cache_limit, cache_policy, storage_options: as :class:`RemoteMDSDataset`.
-        mode: ``"shards"`` only for JINX (``"ranges"`` raises ValueError: a JINX sample's line and its
-            sidecar values are two dependent reads; use MDS for ranges).
+        mode: ``"shards"`` or ``"ranges"``.
 
     Raises:
         RemoteNotFoundError: nothing at the URL.
@@ -60,13 +68,13 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         names = sorted(n for n in listed if n.startswith("shard-") and n.endswith(".jinx"))
         if not names:
             raise FormatError("folder holds no shard-*.jinx objects", path=self.url)
-        if mode == "ranges":
-            raise ValueError(f"{self.url}: mode='ranges' reads MDS and safetensors datasets; a JINX dataset at a "
-                             "URL is read with mode='shards'")
         kept = []
+        self._ranged: list[_RangeShard] = []  # mode="ranges": each kept shard's index, no map
         for name in names:
             u, size, etag = listed[name]
-            count, shard_split = _jinx_footer(client, u, size, etag, self.storage_options)
+            footer, foot = _jinx_footer(client, u, size, etag, self.storage_options)
+            count, shard_split = footer["num_samples"], footer.get("split")
+            shard_split = shard_split if isinstance(shard_split, str) else None
             if split is not None and shard_split != split:
                 continue
             objs: list[tuple[str, int, str | None, dict[str, str] | None]] = [(u, size, etag, None)]
@@ -74,6 +82,8 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             if side is not None:
                 objs.append((side[0], side[1], side[2], None))
             kept.append((objs, count, shard_split))
+            if mode == "ranges":
+                self._ranged.append(_RangeShard(objs, footer, foot, client, self.storage_options))
         self.shard_splits = [shard_split for _, _, shard_split in kept]  # from the footers
         self._remote_objs = [objs for objs, _, _ in kept]
         self._counts = [count for _, count, _ in kept]
@@ -117,8 +127,96 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         else:
             self._jshards[k] = None
 
+    # --- mode="ranges" ------------------------------------------------------------------------------
+    def _read(self, indices: list[int], skip: bool = False) -> list[Any]:
+        """The samples at ``indices`` (valid, in order) by byte ranges: the lines, one coalesced read per
+        shard, then the sidecar values they point at, one more per shard. With ``skip`` (iteration under
+        ``on_error="skip"``) a bad sample is counted, logged and left out instead of raised."""
+        by_shard: dict[int, list[tuple[int, int]]] = {}
+        for pos, i in enumerate(indices):
+            k = bisect.bisect_right(self._ends, i)
+            by_shard.setdefault(k, []).append((pos, i - self._starts[k]))
+
+        def line_spans(_client: Any, k: int) -> list[tuple[int, int]]:
+            offs = self._ranged[k]._offs
+            return [(offs[j], offs[j + 1]) for _, j in by_shard[k]]
+
+        lines = self._read_spans(list(by_shard), line_spans)
+        parsed: dict[int, list[tuple[int, Any, int]]] = {}  # shard -> (position, line or its error, offset)
+        refs: dict[int, list[tuple[int, int]]] = {}  # shard -> the sidecar spans its lines point at
+        for k, rows in by_shard.items():
+            view = self._ranged[k].view(lines[k], None)
+            tail = view.ext_sep + "bin"
+            got = parsed[k] = []
+            for pos, j in rows:
+                try:
+                    obj, start = view.line(j)
+                except TorchforgeError as e:
+                    if not skip:
+                        raise
+                    got.append((pos, e, 0))
+                    continue
+                got.append((pos, obj, start))
+                _sidecar_refs(obj, view.ext_sep, tail, view._bin_total, refs.setdefault(k, []))
+        wanted = [k for k, spans in refs.items() if spans]
+        sides = self._read_spans(wanted, lambda _client, k: refs[k], obj=1) if wanted else {}
+        out: list[Any] = [None] * len(indices)
+        bad: set[int] = set()
+        for k, got in parsed.items():
+            view = self._ranged[k].view(lines[k], sides.get(k))
+            for pos, obj, start in got:
+                try:
+                    if isinstance(obj, TorchforgeError):
+                        raise obj
+                    out[pos] = lazy_sample(obj, view, start) if self._lazy else view.eager(obj, start)
+                except TorchforgeError as e:
+                    if not skip:
+                        raise
+                    self._skip(e)
+                    bad.add(pos)
+        return [s for pos, s in enumerate(out) if pos not in bad] if bad else out
+
+    def __getitem__(self, i: int) -> Any:
+        if self.mode == "ranges":
+            return self._read(self._checked([i]))[0]
+        return super().__getitem__(i)
+
+    def _get(self, i: int) -> Any:
+        if self.mode == "ranges":
+            return self._read([i])[0]
+        return super()._get(i)
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """A batch of samples (torch's DataLoader calls this with a batch's indices): in ``mode="ranges"``
+        two rounds of coalesced range reads, one request per shard touched in each."""
+        idx = self._checked(indices)
+        if self.mode == "ranges":
+            return self._read(idx)
+        return [self._get(i) for i in idx]
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.mode != "ranges":
+            yield from super().__iter__()
+            return
+        step = 256
+        for first in range(0, len(self), step):
+            yield from self._read(list(range(first, min(first + step, len(self)))), skip=self.on_error == "skip")
+
+    def key_values(self, fn: Any) -> list[Any]:
+        if self.mode == "ranges":  # read in batches of ranges, as iteration does
+            return [fn(s) for s in self]
+        return super().key_values(fn)
+
     # --- JinxDataset --------------------------------------------------------------------------------
+    @property
+    def shards(self) -> Any:
+        """The shards: in ``mode="ranges"`` each one's footer and index only (reading a sample from one
+        raises ValueError: read samples from the dataset)."""
+        return self._ranged if self.mode == "ranges" else super().shards
+
     def _shard(self, k: int) -> JinxShard:
+        if self.mode == "ranges":
+            raise ValueError("mode='ranges' maps no shard: this needs mode='shards'")
         held = self._held_here()
         shard = self._jshards[k]
         if shard is not None:
@@ -164,9 +262,9 @@ class _LazyShards(Sequence):
 
 
 def _jinx_footer(client: Any, url: str, size: int, etag: str | None,
-                 storage_options: Mapping[str, Any]) -> tuple[int, str | None]:
-    """A remote JINX shard's sample count and split, from its footer: one range read of the file's tail
-    (a second one when the footer is longer than the tail)."""
+                 storage_options: Mapping[str, Any]) -> tuple[dict, int]:
+    """A remote JINX shard's footer (its ``num_samples`` checked) and the byte offset where it starts: one
+    range read of the file's tail (a second one when the footer is longer than the tail)."""
     tail = min(size, 8 << 10)
     (data,) = client.get_ranges(url, [(size - tail, size)], etag=etag, storage_options=storage_options)
     base = size - tail
@@ -192,5 +290,86 @@ def _jinx_footer(client: Any, url: str, size: int, etag: str | None,
     n = footer.get("num_samples") if isinstance(footer, dict) else None
     if type(n) is not int or n < 0:
         raise CorruptShardError(f"footer num_samples={n!r} is not a non-negative integer", path=url, offset=foot)
-    split = footer.get("split")
-    return n, split if isinstance(split, str) else None
+    return footer, foot
+
+
+class _RangeShard(JinxShard):
+    """A JINX shard at a URL read by byte ranges (``mode="ranges"``): its footer and index, checked as a
+    local shard's are, and no map. :meth:`view` gives the shard a batch reads from: its lines and sidecar
+    values are the bytes fetched for that batch (a lazy sample keeps its view, and so those bytes)."""
+
+    def __init__(self, objs: list[tuple[str, int, str | None, dict[str, str] | None]], footer: dict, foot: int,
+                 client: Any, storage_options: Mapping[str, Any]) -> None:
+        url, size, _, _ = objs[0]
+        side = objs[1] if len(objs) > 1 else None
+        self.path = url
+        self.bin_path = side[0] if side else os.path.splitext(url)[0] + ".binx"
+        self._bin_total = side[1] if side else -1  # the sidecar's size; -1: there is none
+        self.plans, self._decoders = {}, {}
+        self._mm = self._bin_mm = self._mv = self._bin_mv = self._bin_bv = None
+        self._bin_size = -1  # a raw sidecar value takes the checked path, sidecar() below
+        self.parse, self.lines = orjson.loads, None
+        self._side: _Spans | None = None
+        sep = footer.get("ext_sep", ".")
+        key = next((k for k in footer if isinstance(sep, str) and sep and k.startswith("index" + sep)), "")
+        loc = footer.get(key)
+        if key.endswith(f"{sep}bin") and isinstance(loc, dict) and side is not None:  # the index is in the sidecar
+            o, n = loc.get("offset"), loc.get("length")
+            if type(o) is int and type(n) is int and 0 <= o and 0 < n and o + n <= side[1]:
+                (data,) = client.get_ranges(side[0], [(o, o + n)], etag=side[2], storage_options=storage_options)
+                self._side = _Spans([(o, o + n)], [data])
+        self._load_footer(footer, foot, size)  # the checks and the index, as a local shard's
+        self._side = None
+
+    def line(self, j: int) -> tuple[dict, int]:
+        if self.lines is None:
+            raise ValueError(f"{self.path}: a shard read in mode='ranges' holds its index, not its lines: read "
+                             "samples from the dataset")
+        return super().line(j)
+
+    def iter_samples(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        return (self.sample(j) for j in range(self.num_samples)) if self.lines is None else super().iter_samples(
+            *args, **kwargs)
+
+    def view(self, lines: _Spans, side: _Spans | None) -> _RangeShard:
+        """This shard reading ``lines`` (a batch's lines) and ``side`` (the sidecar values they point at)."""
+        v = object.__new__(_RangeShard)
+        v.__dict__.update(self.__dict__)
+        v.lines, v._side = lines, side
+        return v
+
+    def sidecar(self, loc: Any, offset: int) -> memoryview:
+        if self._bin_total < 0:
+            raise self._fail(f"sample needs the sidecar {os.path.basename(self.bin_path)}, which is missing", offset)
+        o, n = self._reference(loc, offset, self._bin_total)
+        if n == 0:
+            return memoryview(b"")
+        return memoryview(self._side[o:o + n])  # type: ignore[index]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()  # no decoders (closures) and no memoryview: remade in the new process
+        state.update(plans={}, _decoders={}, _offs=None, lines=None, _side=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._offs = memoryview(np.ascontiguousarray(self.offsets, dtype=np.uint64)).cast("B").cast("Q")
+
+
+def _sidecar_refs(obj: dict, sep: str, tail: str, size: int, out: list[tuple[int, int]]) -> None:
+    """The sidecar byte spans a parsed line points at: the ``{"offset", "length"}`` values of its keys
+    ending in ``<sep>bin``, nested mappings and lists included. References that are not valid or not
+    inside the sidecar's ``size`` bytes are not read: the decoder names the problem."""
+    for k, v in obj.items():
+        t = type(v)
+        if t is dict:
+            if k.endswith(tail):
+                o, n = v.get("offset"), v.get("length")
+                if type(o) is int and type(n) is int and o >= 0 and n > 0 and o + n <= size:
+                    out.append((o, o + n))
+            elif sep not in k:
+                _sidecar_refs(v, sep, tail, size, out)
+        elif t is list and sep not in k:
+            for x in v:
+                if type(x) is dict:
+                    _sidecar_refs(x, sep, tail, size, out)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 import os
 import struct
 from collections.abc import Mapping
@@ -67,6 +69,8 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
             self._add_shard(infos, meta, columns, u)
             self._remote_objs.append([(u, size, etag, None)])
             self._heads.append((8 + n, infos))
+        pinned = json.dumps(sorted(listed[n] for n in names))
+        self.version = hashlib.sha256(pinned.encode()).hexdigest()[:32]  # every shard's URL, size and ETag
         self._files = [""] * len(names)
         self._open = {}
         self._first = [0, *self._ends]

@@ -3,6 +3,7 @@ and held while mapped, prefetching in the sampler's order, and coalesced byte-ra
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 import logging
 import mmap
@@ -42,7 +43,10 @@ class _RemoteShards:
 
     url: str
     mode: str
+    version: str  # the pinned version: index.json's ETag, or a hash of every object's ETag
+    format_name: str
     _first: list[int]
+    _key_cache_file: Callable[[Any], str | None]  # ShardDataset's
 
     _FORMAT = "dataset"  # named in index errors
     _EARLY = False  # reads samples of shards still downloading (mode="shards", no cache_limit): RemoteMDSDataset
@@ -142,11 +146,11 @@ class _RemoteShards:
 
     # --- reading byte ranges (mode="ranges", and early reads of downloads in progress) ------------------
     def _read_spans(self, shards: list[int], spans_of: Callable[[Any, int], list[tuple[int, int]]],
-                    early: bool = False) -> dict[int, _Spans]:
-        """Each shard's byte spans ``spans_of(client, k)`` (merged where the gaps cost at most
-        ``RANGE_WASTE`` of the bytes wanted), read with one request per shard, ``READERS`` shards at a time
-        on their own connections: by range GETs, or with ``early`` from the shards' downloads into the
-        node's cache (:meth:`_download_read`)."""
+                    early: bool = False, obj: int = 0) -> dict[int, _Spans]:
+        """Each shard's byte spans ``spans_of(client, k)`` of its stored object ``obj`` (merged where the
+        gaps cost at most ``RANGE_WASTE`` of the bytes wanted), read with one request per shard, ``READERS``
+        shards at a time on their own connections: by range GETs, or with ``early`` from the shards'
+        downloads into the node's cache (:meth:`_download_read`)."""
         clients = self._clients()
 
         def read(n: int, k: int) -> _Spans:
@@ -154,7 +158,7 @@ class _RemoteShards:
             merged = _merge(sorted(set(spans_of(client, k))), RANGE_WASTE)
             if early:
                 return _Spans(merged, self._download_read(client, k, merged))
-            url, _, etag, _ = self._objects(k)[0]
+            url, _, etag, _ = self._objects(k)[obj]
             return _Spans(merged, client.get_ranges(url, merged, etag=etag, gap=0,
                                                     storage_options=self.storage_options))
 
@@ -342,6 +346,13 @@ class _RemoteShards:
         finally:
             client.close()
 
+    def _key_cache_path(self, field: str) -> str | None:
+        """A key cache keyed by the dataset's URL and pinned version (and split), not by the files this
+        process happens to have fetched: in ``mode="ranges"`` there are none."""
+        split = getattr(self, "split", None)
+        h = hashlib.sha256(f"{self.format_name}\0{field}\0{self.url}\0{self.version}\0{split}".encode())
+        return self._key_cache_file(h)
+
     def _remote_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` (a pickled dataset's) without this process's connections, maps and threads."""
         state["_client_of"] = None  # a connection does not travel: the other process opens its own
@@ -376,6 +387,10 @@ class _Spans:
         r = bisect.bisect_right(self.merged, (b, float("inf"))) - 1
         start = self.merged[r][0]
         return bytes(self.blobs[r][b - start:e - start])
+
+    def __getitem__(self, span: slice) -> bytes:
+        """``spans[b:e]``: the bytes ``b..e`` of the object (a file's map is sliced the same way)."""
+        return self.get(span.start, span.stop)
 
 
 def _merge(spans: list[tuple[int, int]], waste: float) -> list[tuple[int, int]]:
