@@ -542,6 +542,35 @@ def _upload_mds(tmp_path, put, prefix: str, n: int = 60, marker: int = 0) -> lis
     return rows
 
 
+def test_an_mds_dataset_without_hashes_pins_every_shard_when_it_opens(env, tmp_path):
+    """index.json records no hashes: the folder's listing pins each shard's ETag at open, so a shard
+    overwritten afterwards raises RemoteChangedError naming it, and a shard the node cached is found by
+    that version with no request (no HEAD per shard before its download either)."""
+    import torchforge
+
+    _client, proxy, put = env
+    rows = [{"id": i, "blob": bytes([i % 251]) * (300 + 11 * i)} for i in range(60)]
+    local = tmp_path / "mds-nohash"
+    _put_mds(put, local, "ds/nohash", rows, 1 << 13)
+    url = f"s3://{BUCKET}/ds/nohash"
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    assert all(ds._objects(k)[0][2] for k in range(len(ds.metas)))  # every shard pinned, hashless
+    proxy.reset()
+    assert [int(s["id"]) for s in ds.__getitems__(list(range(60)))] == list(range(60))
+    assert proxy.heads == 0  # the pinned ETag: no HEAD before a download
+    again = torchforge.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    assert all(again._cached(k) for k in range(len(again.metas)))  # found in the cache by version
+    proxy.reset()
+    assert bytes(again[59]["blob"]) == rows[59]["blob"] and not proxy.gets and not proxy.heads
+    last = max(n for n in os.listdir(local) if n != "index.json")
+    fresh = torchforge.open_dataset(url, cache_dir=tmp_path / "other", storage_options=_via(proxy))
+    data = (local / last).read_bytes()
+    put(f"ds/nohash/{last}", data[:-1] + bytes([data[-1] ^ 1]))  # the same size, another version
+    with pytest.raises(RemoteChangedError, match=last):
+        fresh[59]
+    assert int(fresh[0]["id"]) == 0  # the shards that did not change still read
+
+
 def test_open_dataset_at_an_s3_url_reads_every_sample_once_per_node(env, tmp_path, monkeypatch):
     import torch
 
@@ -834,7 +863,8 @@ def test_two_simulated_nodes_under_torchrun_read_every_sample_once_and_fetch_onl
     assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]  # reshuffled within the node
     for node in range(2):
         mine = {ds.metas[k].raw_basename for k in range(len(sizes)) if placed[k] == node}
-        fetched = [path.rsplit("/", 1)[1] for path, _ in proxies[node].gets if not path.endswith("index.json")]
+        fetched = [path.rsplit("/", 1)[1] for path, _ in proxies[node].gets
+                   if not path.endswith("index.json") and "list-type=" not in path]  # the listing that pins ETags
         assert sorted(fetched) == sorted(mine), (node, fetched, mine)  # only its own shards, each once
         bounds = np.cumsum([0] + sizes)
         own = {i for k in range(len(sizes)) if placed[k] == node for i in range(bounds[k], bounds[k + 1])}

@@ -20,6 +20,7 @@ from torchforge.datasets.remote.shards import _RemoteShards
 from torchforge.errors import CorruptShardError
 from torchforge.formats.mds import INDEX_BASENAME
 from torchforge.formats.mds_reader import SampleDecoder, ShardMeta
+from torchforge.remote import RemoteAccessError
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         _place(index, os.path.join(folder, INDEX_BASENAME))
         super().__init__(folder, **kwargs)
         self._first = list(self._bounds)
+        self._etags = self._pinned(client)
         self._offsets: dict[int, list[int]] = {}
         self._decoders: dict[int, Any] = {}
         if mode == "ranges":
@@ -79,6 +81,21 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
             if whole:
                 raise ValueError(f"mode='ranges' needs shards that are not compressed as a whole; {whole[0]!r} "
                                  "is: use mode='shards'")
+
+    def _pinned(self, client: Any) -> dict[str, str]:
+        """Every shard's ETag as the folder's listing gives it when the dataset opens (one LIST request per
+        1,000 objects): a shard is then read at that version or raises RemoteChangedError, whether or not
+        index.json records its hashes, and the node's cache finds it by that version without a request.
+        A folder that cannot be listed (``http(s)://``, or a listing the credentials deny) pins each shard
+        at its first fetch instead."""
+        if self.url.split("://", 1)[0] in ("http", "https"):
+            return {}
+        try:
+            listed = client.list_versions(self.url + "/", storage_options=self.storage_options)
+        except RemoteAccessError as e:
+            log.debug("%s: no listing (%s); shards are pinned at their first fetch", self.url, e)
+            return {}
+        return {u: etag for u, _, etag in listed if etag}
 
     # --- mode="ranges" ------------------------------------------------------------------------------
     def _shard_url(self, k: int) -> str:
@@ -94,7 +111,8 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
             span = [(0, min(head, m.raw_bytes))]
             client = client or self._client()
             (data,) = (self._download_read(client, k, span) if early
-                       else client.get_ranges(url, span, storage_options=self.storage_options))
+                       else client.get_ranges(url, span, etag=self._etags.get(url),
+                                              storage_options=self.storage_options))
             if len(data) < head or struct.unpack_from("<I", data)[0] != m.samples:
                 raise CorruptShardError(f"the shard's header does not hold {m.samples} samples as index.json "
                                         "says", path=url, offset=0)
@@ -281,8 +299,9 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         whole = m.zip_basename is not None  # the stored file is the compressed one
         entry = m.raw.get("zip_data" if whole else "raw_data") or {}
         hashes = entry.get("hashes") if isinstance(entry, dict) else None
-        return [(f"{self.url}/{m.zip_basename or m.raw_basename}", (m.zip_bytes or 0) if whole else m.raw_bytes,
-                 None, hashes if isinstance(hashes, dict) else None)]
+        url = f"{self.url}/{m.zip_basename or m.raw_basename}"
+        return [(url, (m.zip_bytes or 0) if whole else m.raw_bytes, self._etags.get(url),
+                 hashes if isinstance(hashes, dict) else None)]
 
     def _map(self, k: int, paths: list[str]) -> tuple[Any, list[Any]]:
         self._files[k] = paths[0]
