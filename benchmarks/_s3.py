@@ -66,6 +66,8 @@ class LocalS3:
 
         def counted(environ, start_response):
             method, sent = environ["REQUEST_METHOD"], 0
+            if method == "GET" and "list-type=" in environ.get("QUERY_STRING", ""):
+                method = "LIST"  # a listing (metadata, like a HEAD): not an object GET, its XML not object bytes
             body = app(environ, start_response)
             try:
                 for chunk in body:
@@ -83,11 +85,13 @@ class LocalS3:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True, name="local-s3").start()
 
-    def counts(self) -> tuple[int, int, int]:
-        """(GET requests, GET body bytes, other requests) so far."""
+    def counts(self) -> tuple[int, int, int, int]:
+        """(object GET requests, their body bytes, other requests: HEAD, LIST, ..., the LISTs' body bytes)
+        so far."""
         with self.lock:
             gets = self.requests.get("GET", 0)
-            return gets, self.body_bytes.get("GET", 0), sum(self.requests.values()) - gets
+            return (gets, self.body_bytes.get("GET", 0), sum(self.requests.values()) - gets,
+                    self.body_bytes.get("LIST", 0))
 
     def close(self) -> None:
         self.server.shutdown()

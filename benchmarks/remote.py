@@ -31,8 +31,10 @@ py1e shuffles shards, then spreads each shard's samples over a window of ``shuff
 (default max(4M / canonical nodes, 2^18)), which for a dataset smaller than that is the whole dataset.
 
 Measured per run: time to first batch (from building the dataset to the first batch in hand), samples/s of
-the first (cold) and second (cached) epoch (the first includes building the dataset), GETs and bytes
-counted by the server per epoch, and the peak bytes of the cache folder (its files' sizes summed every 10 ms).
+the first (cold) and second (cached) epoch (the first includes building the dataset), object GETs and
+their bytes counted by the server per epoch (a LIST is metadata, counted with HEADs as "other req", its
+XML bytes printed beside them: torchforge lists an MDS folder once per open to pin each shard's ETag,
+Streaming HEADs each shard before its download), and the peak bytes of the cache folder (its files' sizes summed every 10 ms).
 A file evicted while a process still maps it would hold disk without being in the folder: the peak
 with such files (from the processes' /proc/PID/maps, every ~100 ms) is printed too; torchforge holds a
 mapped shard in use, so for it the two peaks should agree.
@@ -210,7 +212,8 @@ class Result:
     rate: list[float] = field(default_factory=list)  # samples/s per completed epoch
     gets: list[int] = field(default_factory=list)  # per epoch (the partial one included)
     bytes: list[int] = field(default_factory=list)
-    other_requests: int = 0
+    other_requests: int = 0  # HEAD, LIST, ...: metadata
+    list_bytes: int = 0  # the LISTs' XML bodies (torchforge lists an MDS folder once to pin each shard's ETag)
     peak_cache: int = 0
     peak_with_unlinked: int | None = None
     samples: list[int] = field(default_factory=list)  # samples seen per epoch
@@ -268,7 +271,7 @@ def run(name: str, spec: dict, s3: LocalS3, n: int, budget: float, mapped: bool)
             msg = json.loads(line)
             event = msg["event"]
             if event == "ready":  # imports done: the clock starts
-                g0, b0, o0 = s3.counts()
+                g0, b0, o0, l0 = s3.counts()
                 meter.start()
                 deadline = time.perf_counter() + budget
             elif event == "first":
@@ -289,7 +292,7 @@ def run(name: str, spec: dict, s3: LocalS3, n: int, budget: float, mapped: bool)
                 break
             if event in ("ready", "epoch"):
                 if event == "epoch":
-                    g1, b1, _ = s3.counts()
+                    g1, b1, _, _ = s3.counts()
                     res.gets.append(g1 - g0 - sum(res.gets))
                     res.bytes.append(b1 - b0 - sum(res.bytes))
                 assert child.stdin is not None
@@ -300,13 +303,14 @@ def run(name: str, spec: dict, s3: LocalS3, n: int, budget: float, mapped: bool)
             os.killpg(child.pid, signal.SIGKILL)
         child.wait()
         if not res.complete and res.error is None:  # the partial epoch's fetches
-            g1, b1, _ = s3.counts()
+            g1, b1, _, _ = s3.counts()
             res.gets.append(g1 - g0 - sum(res.gets))
             res.bytes.append(b1 - b0 - sum(res.bytes))
             res.samples.append(seen)
         if meter.is_alive():
             meter.stop()
-        res.other_requests = s3.counts()[2] - o0
+        _, _, o1, l1 = s3.counts()
+        res.other_requests, res.list_bytes = o1 - o0, l1 - l0
         res.peak_cache = meter.peak
         res.peak_with_unlinked = meter.peak_with_unlinked if mapped else None
         if res.error and "traceback above" in res.error:  # the child died before it could report
@@ -523,12 +527,12 @@ def main() -> None:
     rows = {**tf, **st}
     w = max(map(len, rows)) + 2
     print(f"\n{'reader':<{w}}{'1st batch s':>12}{'cold smp/s':>12}{'cached smp/s':>13}{'GETs e1/e2':>14}"
-          f"{'MB e1/e2':>16}{'other req':>10}{'peak cache MB':>15}{'+unlinked MB':>14}")
+          f"{'MB e1/e2':>16}{'other req':>10}{'LIST kB':>10}{'peak cache MB':>15}{'+unlinked MB':>14}")
     for name, r in rows.items():
         rate = [f"{x:,.0f}" for x in r.rate] + ["-"] * (EPOCHS - len(r.rate))
         unl = "-" if r.peak_with_unlinked is None else f"{r.peak_with_unlinked / 1e6:,.0f}"
         print(f"{name:<{w}}{r.ttfb:>12.2f}{rate[0]:>12}{rate[1]:>13}{'/'.join(map(str, r.gets)):>14}"
-              f"{'/'.join(f'{b / 1e6:,.0f}' for b in r.bytes):>16}{r.other_requests:>10}"
+              f"{'/'.join(f'{b / 1e6:,.0f}' for b in r.bytes):>16}{r.other_requests:>10}{r.list_bytes / 1e3:>10,.1f}"
               f"{r.peak_cache / 1e6:>15,.0f}{unl:>14}" + (f"  ERROR {r.error.splitlines()[0]} (traceback above)" if r.error else "")
               + (f"  ({r.note})" if r.note else ""))
 
