@@ -1365,6 +1365,36 @@ def test_a_jinx_dataset_in_ranges_mode_names_a_bad_line_or_a_truncated_sidecar_a
     kept = list(skipping)
     assert skipping.skipped >= 2 and len(kept) == m["n"] - skipping.skipped  # the bad line and the values past the end
     assert all(type(s) is dict for s in kept)
+    with pytest.raises(CorruptShardError, match="shard-00001.jinx"):  # keys are one per index: a bad line raises
+        skipping.keys(lambda s: s.get("id", 0))
+
+
+def test_a_jinx_dataset_in_ranges_mode_reads_sidecar_values_nested_in_lists_and_keys_in_batches(env, tmp_path):
+    import torchforge
+    from torchforge.formats.jinx import JinxWriter
+    from torchforge.lazy import materialize
+
+    _client, proxy, put = env
+    local = tmp_path / "jx-nested"
+    rows = [{"id": i, "clips": [[{"img": bytes([i]) * (40 + i)}], [{"img": bytes([i + 1]) * 50}]],
+             "top": bytes([i + 2]) * 30, "turns": [{"text": f"t{i}", "wav": bytes([i + 3]) * 25}]} for i in range(80)]
+    with JinxWriter(local, shard_size=4000, compression=None, binary_threshold=16) as w:  # every blob in the sidecar
+        for r in rows:
+            w.write(r)
+    _upload_folder(put, str(local), "jx/nested")
+    url = f"s3://{BUCKET}/jx/nested"
+    want = [materialize(s) for s in torchforge.JinxDataset(str(local))]
+    ds = torchforge.open_dataset(url, mode="ranges", cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    assert len(ds.shards) > 2
+    got = ds.__getitems__(list(range(79, -1, -1)))
+    assert [materialize(s) for s in reversed(got)] == want and want[3]["clips"][0][0]["img"] == bytes([3]) * 43
+    eager = torchforge.open_dataset(url, mode="ranges", lazy=False, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    assert eager.__getitems__(list(range(80))) == want  # lists in lists: their values read too
+    proxy.reset()
+    fresh = torchforge.open_dataset(url, mode="ranges", cache_dir=tmp_path / "fresh", storage_options=_via(proxy))
+    proxy.reset()
+    assert fresh.keys("id", cache=False).tolist() == list(range(80))
+    assert len(proxy.gets) <= 2 * len(fresh.shards)  # batches of ranges, not a request round per sample
 
 
 def test_key_caches_of_two_datasets_at_urls_read_by_ranges_never_mix(env, tmp_path):

@@ -94,7 +94,7 @@ class ShardDataset(torch.utils.data.Dataset):
             except (OSError, ValueError) as e:
                 log.warning("ignoring unreadable key cache %s: %s", cache_path, e)
         parts = field_or_fn.split(".")
-        arr = _to_key_array([_dig(self._get(i), parts, field_or_fn) for i in range(len(self))])
+        arr = _to_key_array(self.key_values(lambda s: _dig(s, parts, field_or_fn)))  # the format's cheapest pass
         if cache_path:
             _save_atomic(cache_path, arr)
         return arr

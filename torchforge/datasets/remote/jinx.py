@@ -15,7 +15,7 @@ from torchforge._limits import ensure_open_files
 from torchforge.datasets.jinx import JinxDataset
 from torchforge.datasets.remote.shards import _RemoteShards, _Spans
 from torchforge.errors import CorruptShardError, FormatError, TorchforgeError
-from torchforge.formats.jinx_reader import JinxShard
+from torchforge.formats.jinx_reader import LINE_PARSER, JinxShard
 from torchforge.lazy import lazy_sample
 
 
@@ -151,13 +151,16 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             for pos, j in rows:
                 try:
                     obj, start = view.line(j)
+                    try:
+                        _sidecar_refs(obj, view.ext_sep, tail, view._bin_total, refs.setdefault(k, []))
+                    except RecursionError:
+                        raise view._fail(f"sample {j} nests too deeply to read its sidecar values", start) from None
                 except TorchforgeError as e:
                     if not skip:
                         raise
                     got.append((pos, e, 0))
                     continue
                 got.append((pos, obj, start))
-                _sidecar_refs(obj, view.ext_sep, tail, view._bin_total, refs.setdefault(k, []))
         wanted = [k for k, spans in refs.items() if spans]
         sides = self._read_spans(wanted, lambda _client, k: refs[k], obj=1) if wanted else {}
         out: list[Any] = [None] * len(indices)
@@ -203,8 +206,9 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             yield from self._read(list(range(first, min(first + step, len(self)))), skip=self.on_error == "skip")
 
     def key_values(self, fn: Any) -> list[Any]:
-        if self.mode == "ranges":  # read in batches of ranges, as iteration does
-            return [fn(s) for s in self]
+        if self.mode == "ranges":  # batches of ranges; a bad line raises (one key per index), as for a local one
+            n, step = len(self), 256
+            return [fn(s) for first in range(0, n, step) for s in self._read(list(range(first, min(first + step, n))))]
         return super().key_values(fn)
 
     # --- JinxDataset --------------------------------------------------------------------------------
@@ -308,7 +312,7 @@ class _RangeShard(JinxShard):
         self.plans, self._decoders = {}, {}
         self._mm = self._bin_mm = self._mv = self._bin_mv = self._bin_bv = None
         self._bin_size = -1  # a raw sidecar value takes the checked path, sidecar() below
-        self.parse, self.lines = orjson.loads, None
+        self.parse, self.lines = LINE_PARSER[0], None  # the local shards' parser (msgspec's when installed)
         self._side: _Spans | None = None
         sep = footer.get("ext_sep", ".")
         key = next((k for k in footer if isinstance(sep, str) and sep and k.startswith("index" + sep)), "")
@@ -328,8 +332,10 @@ class _RangeShard(JinxShard):
         return super().line(j)
 
     def iter_samples(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        return (self.sample(j) for j in range(self.num_samples)) if self.lines is None else super().iter_samples(
-            *args, **kwargs)
+        raise ValueError(f"{self.path}: a shard read in mode='ranges' holds no whole lines: read samples from the "
+                         "dataset")
+
+    key_values = iter_samples  # type: ignore[assignment]
 
     def view(self, lines: _Spans, side: _Spans | None) -> _RangeShard:
         """This shard reading ``lines`` (a batch's lines) and ``side`` (the sidecar values they point at)."""
@@ -344,32 +350,41 @@ class _RangeShard(JinxShard):
         o, n = self._reference(loc, offset, self._bin_total)
         if n == 0:
             return memoryview(b"")
-        return memoryview(self._side[o:o + n])  # type: ignore[index]
+        if self._side is None or not self._side.covers(o, o + n):
+            raise self._fail(f"sidecar bytes {o}..{o + n} were not read with the batch's lines (a reference the "
+                             "reader did not find)", offset, self.bin_path)
+        return memoryview(self._side[o:o + n])
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # no decoders (closures) and no memoryview: remade in the new process
-        state.update(plans={}, _decoders={}, _offs=None, lines=None, _side=None)
+        state.update(plans={}, _decoders={}, _offs=None, lines=None, _side=None, parse=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.parse = LINE_PARSER[0]
         self._offs = memoryview(np.ascontiguousarray(self.offsets, dtype=np.uint64)).cast("B").cast("Q")
 
 
 def _sidecar_refs(obj: dict, sep: str, tail: str, size: int, out: list[tuple[int, int]]) -> None:
     """The sidecar byte spans a parsed line points at: the ``{"offset", "length"}`` values of its keys
-    ending in ``<sep>bin``, nested mappings and lists included. References that are not valid or not
-    inside the sidecar's ``size`` bytes are not read: the decoder names the problem."""
+    ending in ``<sep>bin``, in nested mappings and lists at any depth (as the decoders walk them). References
+    that are not valid or not inside the sidecar's ``size`` bytes are not read: the decoder names the
+    problem."""
     for k, v in obj.items():
-        t = type(v)
-        if t is dict:
-            if k.endswith(tail):
+        if k.endswith(tail):
+            if type(v) is dict:
                 o, n = v.get("offset"), v.get("length")
                 if type(o) is int and type(n) is int and o >= 0 and n > 0 and o + n <= size:
                     out.append((o, o + n))
-            elif sep not in k:
-                _sidecar_refs(v, sep, tail, size, out)
-        elif t is list and sep not in k:
-            for x in v:
-                if type(x) is dict:
-                    _sidecar_refs(x, sep, tail, size, out)
+        elif sep not in k:
+            _nested_refs(v, sep, tail, size, out)
+
+
+def _nested_refs(v: Any, sep: str, tail: str, size: int, out: list[tuple[int, int]]) -> None:
+    t = type(v)
+    if t is dict:
+        _sidecar_refs(v, sep, tail, size, out)
+    elif t is list:
+        for x in v:
+            _nested_refs(x, sep, tail, size, out)

@@ -349,6 +349,8 @@ class _RemoteShards:
     def _key_cache_path(self, field: str) -> str | None:
         """A key cache keyed by the dataset's URL and pinned version (and split), not by the files this
         process happens to have fetched: in ``mode="ranges"`` there are none."""
+        if self.version is None:  # a server that gives no ETag: nothing to key by
+            return None
         split = getattr(self, "split", None)
         h = hashlib.sha256(f"{self.format_name}\0{field}\0{self.url}\0{self.version}\0{split}".encode())
         return self._key_cache_file(h)
@@ -387,6 +389,11 @@ class _Spans:
         r = bisect.bisect_right(self.merged, (b, float("inf"))) - 1
         start = self.merged[r][0]
         return bytes(self.blobs[r][b - start:e - start])
+
+    def covers(self, b: int, e: int) -> bool:
+        """Whether the bytes ``b..e`` lie inside one of the spans read."""
+        r = bisect.bisect_right(self.merged, (b, float("inf"))) - 1
+        return r >= 0 and self.merged[r][1] >= e
 
     def __getitem__(self, span: slice) -> bytes:
         """``spans[b:e]``: the bytes ``b..e`` of the object (a file's map is sliced the same way)."""
