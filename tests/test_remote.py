@@ -1411,6 +1411,9 @@ def test_key_caches_of_two_datasets_at_urls_read_by_ranges_never_mix(env, tmp_pa
         keys = [torchforge.open_dataset(u, mode=mode, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
                 .keys("y") for u in urls]  # the key cache is keyed by URL and version, not by fetched files
         assert keys[0].tolist() == list(range(30)) and keys[1].tolist() == list(range(100, 130)), mode
+        if mode == "ranges":  # read by ranges, nothing downloaded whole
+            assert not os.path.exists(tmp_path / "cache" / "remote" / "objects") or not os.listdir(
+                tmp_path / "cache" / "remote" / "objects")
     _put_columns(put, tmp_path / "kc", "st/ka", 10, ({"y": torch.tensor(-float(i))} for i in range(30)))
     again = torchforge.open_dataset(urls[0], mode="ranges", cache_dir=tmp_path / "cache", storage_options=_via(proxy))
     assert again.keys("y").tolist() == [-float(i) for i in range(30)]  # overwritten: a new version, new keys

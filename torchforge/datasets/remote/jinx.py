@@ -205,12 +205,6 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         for first in range(0, len(self), step):
             yield from self._read(list(range(first, min(first + step, len(self)))), skip=self.on_error == "skip")
 
-    def key_values(self, fn: Any) -> list[Any]:
-        if self.mode == "ranges":  # batches of ranges; a bad line raises (one key per index), as for a local one
-            n, step = len(self), 256
-            return [fn(s) for first in range(0, n, step) for s in self._read(list(range(first, min(first + step, n))))]
-        return super().key_values(fn)
-
     # --- JinxDataset --------------------------------------------------------------------------------
     @property
     def shards(self) -> Any:

@@ -82,6 +82,11 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
             return self.__getitems__([i])[0]
         return super().__getitem__(i)
 
+    def _get(self, i: int) -> Any:
+        if self.mode == "ranges":
+            return self.__getitems__([i])[0]
+        return super()._get(i)
+
     def __getitems__(self, indices: list[int]) -> list[Any]:
         """A batch of samples; in ``mode="ranges"`` each sample's rows are read by byte ranges, one
         coalesced read per shard the batch touches."""
