@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 import orjson
 
-from torchforge._limits import ensure_open_files
 from torchforge.datasets.jinx import JinxDataset
 from torchforge.datasets.remote.shards import _RemoteShards, _Spans
 from torchforge.errors import CorruptShardError, FormatError, TorchforgeError
@@ -213,17 +212,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         return self._ranged if self.mode == "ranges" else super().shards
 
     def _shard(self, k: int) -> JinxShard:
-        if self.mode == "ranges":
-            raise ValueError("mode='ranges' maps no shard: this needs mode='shards'")
-        held = self._held_here()
-        shard = self._jshards[k]
-        if shard is not None:
-            held.move_to_end(k)
-            return shard
-        if not self._room:  # a map per shard and sidecar, and a hold for each
-            ensure_open_files(4 * len(self._remote_objs), "RemoteJinxDataset")
-            self._room = True
-        return self._mapped(k)
+        return self._held_shard(k, lambda: self._jshards[k], 4)  # a map per shard and sidecar, a hold for each
 
     def _open(self) -> Any:
         shards = _LazyShards(self)

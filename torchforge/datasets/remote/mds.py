@@ -14,7 +14,6 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from torchforge._limits import ensure_open_files
 from torchforge.datasets.mds import MDSDataset
 from torchforge.datasets.remote.shards import _RemoteShards
 from torchforge.errors import CorruptShardError
@@ -282,17 +281,7 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         return ""  # fetched on first use (see _shard)
 
     def _shard(self, k: int) -> Any:
-        if self.mode == "ranges":
-            raise ValueError("mode='ranges' maps no shard: this needs mode='shards'")
-        held = self._held_here()
-        shard = self._shards[k]
-        if shard is not None:
-            held.move_to_end(k)
-            return shard
-        if not self._room:  # a map and a hold per shard
-            ensure_open_files(2 * len(self.metas), "RemoteMDSDataset")
-            self._room = True
-        return self._mapped(k)
+        return self._held_shard(k, lambda: self._shards[k], 2)  # a map and a hold per shard
 
     def _objects(self, k: int) -> list[tuple[str, int, str | None, dict[str, str] | None]]:
         m = self.metas[k]

@@ -146,12 +146,7 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
         return torch.frombuffer(bytearray(spans.get(b, e)), dtype=torch.uint8).view(dtype).reshape(out)
 
     def _shard(self, s: int) -> Any:
-        held = self._held_here()
-        got = self._open.get(s)
-        if got is not None:
-            held.move_to_end(s)
-            return got
-        return self._mapped(s)
+        return self._held_shard(s, lambda: self._open.get(s), 0)
 
     def _objects(self, k: int) -> list[tuple[str, int, str | None, dict[str, str] | None]]:
         return self._remote_objs[k]

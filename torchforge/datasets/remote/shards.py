@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from torchforge._limits import ensure_open_files
 from torchforge.remote import FetcherClient, RemoteNotFoundError, connect
 from torchforge.sizes import parse_size
 
@@ -231,6 +232,22 @@ class _RemoteShards:
                           "bytes; GlobalSampler(bucket_size=\"shards\") reads one shard at a time",
                           RuntimeWarning, stacklevel=2)
         return shard
+
+    def _held_shard(self, k: int, current: Callable[[], Any], files: int) -> Any:
+        """Shard ``k`` for a read in ``mode="shards"``: this process's map (``current()``, asked after a forked
+        worker has dropped the maps it inherited) made the most recently used, else fetched and mapped.
+        ``files``: open files a shard needs (its maps and holds), made room for once per process."""
+        if self.mode == "ranges":
+            raise ValueError("mode='ranges' maps no shard: this needs mode='shards'")
+        held = self._held_here()
+        shard = current()
+        if shard is not None:
+            held.move_to_end(k)
+            return shard
+        if files and not self._room:
+            ensure_open_files(files * (len(self._first) - 1), type(self).__name__)
+            self._room = True
+        return self._mapped(k)
 
     def _held_here(self) -> OrderedDict[int, int]:
         """This process's mapped shards (shard -> bytes), least recently used first. A forked worker
