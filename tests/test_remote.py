@@ -396,6 +396,29 @@ def test_missing_or_denied_fails_fast(env):
     assert time.monotonic() - t < 1.0
 
 
+def test_a_range_past_the_objects_end_fails_at_once_naming_the_url_and_size(env):
+    """A lying index asks for bytes past an object's end: the server clips the range (or answers 416), and
+    that short body is no transient fault to retry six times but a typed error naming the URL and size."""
+    from torchforge.remote import RemoteCorruptError
+
+    client, proxy, put = env
+    data = os.urandom(1000)
+    url = put("end/shard.mds", data)
+    etag = client.head(url).etag
+    for ranges in ([(10, 20), (900, 1100)], [(1500, 1600)]):
+        proxy.reset()
+        t = time.monotonic()
+        with pytest.raises(RemoteCorruptError) as e:
+            client.get_ranges(url, ranges, etag=etag, gap=0, storage_options=_via(proxy))
+        assert time.monotonic() - t < 1.0 and url in str(e.value) and "past the object's end" in str(e.value)
+        assert proxy.gets_of("end/shard.mds") == len(ranges)  # one try each, no retry
+    assert e.value.offset is None or e.value.offset == 1000
+    with pytest.raises(RemoteCorruptError) as e:
+        client.get_ranges(url, [(999, 1001)], etag=etag)
+    assert e.value.offset == 1000 and "(1000 bytes)" in str(e.value)
+    assert client.get_ranges(url, [(990, 1000)], etag=etag) == [data[990:]]  # up to the end still reads
+
+
 def test_overwritten_object_raises_changed(env):
     client, _, put = env
     old = os.urandom(50_000)

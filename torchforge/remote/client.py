@@ -126,6 +126,8 @@ class FetcherClient:
 
         Raises:
             RemoteChangedError: the object's ETag is not ``etag``.
+            RemoteCorruptError: a range reaches past the object's end (at once, not retried: a server clips
+                such a range, which would otherwise pass for a truncated body).
             RemoteNotFoundError, RemoteAccessError, RemoteError: see :meth:`head`.
         """
         spec, key = store_spec(url, storage_options)

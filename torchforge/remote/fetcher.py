@@ -106,11 +106,19 @@ def _classify(e: BaseException, url: str) -> BaseException:
             return RemoteAccessError(f"access denied ({_short(e)})", url=url)
         if "status 412" in low or "precondition" in low:
             return _classify(ox.PreconditionError(text), url)
+        if "status 416" in low or "range not satisfiable" in low or "invalidrange" in low:
+            return RemoteCorruptError(f"a range starts past the object's end: whatever points there (an index, "
+                                      f"a footer) is wrong, or the object was cut short ({_short(e)})", url=url)
         client_error = any(f"status 4{d}" in low for d in range(10)) and "status 429" not in low \
             and "status 408" not in low
         if not client_error:
             return _Transient(_short(e))
     return RemoteError(f"{type(e).__name__}: {_short(e)}", url=url)
+
+
+def _past_end(url: str, start: int, end: int, size: int) -> RemoteCorruptError:
+    return RemoteCorruptError(f"bytes [{start}, {end}) reach past the object's end ({size} bytes): whatever points "
+                              "there (an index, a footer) is wrong, or the object was cut short", url=url, offset=size)
 
 
 def _backoff(attempt: int) -> float:
@@ -207,6 +215,9 @@ class _Server:
             if req.etag:
                 opts["if_match"] = req.etag
             res = await obstore.get_async(store, req.key, options=opts)
+            total = int(res.meta["size"])
+            if e > total:  # a server clips such a range: the short body is no transient fault
+                raise _past_end(req.url, s, e, total)
             data = await res.bytes_async()
             if len(data) != e - s:
                 raise _Transient(f"truncated body: {len(data)} of {e - s} bytes for range [{s}, {e})")
