@@ -594,6 +594,32 @@ def test_an_mds_dataset_without_hashes_pins_every_shard_when_it_opens(env, tmp_p
     assert int(fresh[0]["id"]) == 0  # the shards that did not change still read
 
 
+def test_an_mds_index_overwritten_while_the_dataset_opens_is_a_changed_error(env, tmp_path, monkeypatch):
+    """The dataset is overwritten between the read of index.json and the folder's listing that pins the
+    shards: the new shards' ETags must not be pinned against the old index. The overwrite is made for real
+    on the server, from inside the listing call."""
+    import torchforge
+    from torchforge.remote.client import FetcherClient
+
+    _client, proxy, put = env
+    rows = [{"id": i, "blob": bytes([i % 251]) * (300 + 11 * i)} for i in range(40)]
+    _put_mds(put, tmp_path / "old", "ds/race", rows, 1 << 13)
+    url = f"s3://{BUCKET}/ds/race"
+    real = FetcherClient.list_versions
+
+    def overwritten_first(self, *a, **k):
+        new = [{"id": r["id"], "blob": r["blob"][::-1] + b"x"} for r in rows]
+        _put_mds(put, tmp_path / f"new-{len(os.listdir(tmp_path))}", "ds/race", new, 1 << 13)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(FetcherClient, "list_versions", overwritten_first)
+    with pytest.raises(RemoteChangedError, match="ds/race/index.json.*overwritten while the dataset opened"):
+        torchforge.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    monkeypatch.setattr(FetcherClient, "list_versions", real)
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_via(proxy))  # settled
+    assert bytes(ds[3]["blob"]) == rows[3]["blob"][::-1] + b"x"
+
+
 def test_open_dataset_at_an_s3_url_reads_every_sample_once_per_node(env, tmp_path, monkeypatch):
     import torch
 

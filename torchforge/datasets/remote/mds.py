@@ -19,7 +19,7 @@ from torchforge.datasets.remote.shards import _RemoteShards
 from torchforge.errors import CorruptShardError
 from torchforge.formats.mds import INDEX_BASENAME
 from torchforge.formats.mds_reader import SampleDecoder, ShardMeta
-from torchforge.remote import RemoteAccessError
+from torchforge.remote import RemoteAccessError, RemoteChangedError
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
 
     Raises:
         RemoteNotFoundError: no index.json at the URL (names it).
+        RemoteChangedError: index.json was overwritten while the dataset opened (between its read and the
+            folder's listing, which would pin the new shards against the old index).
         RemoteError: the store refused or failed (names the URL).
     """
 
@@ -94,7 +96,15 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         except RemoteAccessError as e:
             log.debug("%s: no listing (%s); shards are pinned at their first fetch", self.url, e)
             return {}
-        return {u: etag for u, _, etag in listed if etag}
+        pins = {u: etag for u, _, etag in listed if etag}
+        index_url = f"{self.url}/{INDEX_BASENAME}"
+        listed_index = pins.get(index_url)
+        if self.version and listed_index and listed_index.strip('"') != self.version.strip('"'):
+            # overwritten between the index's read and the listing: these ETags may be the new shards'
+            raise RemoteChangedError("index.json was overwritten while the dataset opened (the listing gives "
+                                     f"ETag {listed_index}, the index read had {self.version}): open it again",
+                                     url=index_url)
+        return pins
 
     # --- mode="ranges" ------------------------------------------------------------------------------
     def _shard_url(self, k: int) -> str:
