@@ -11,9 +11,10 @@ deletes their old step folders untimed, as it unlinks the others' files. A ``Che
 deletes the step it replaces before ``save`` returns (unlinking 1 GiB of files takes this ext4 disk about
 0.15 s); that save is timed on its own row, beside the others and out of the ratios, since no other
 contender deletes anything.
-Restores read files that are in the page cache (all contenders alike: torchforge writes large files
-with O_DIRECT, which leaves them out of the cache, so they are read once, untimed, before the restores) and copy every tensor into the
-existing parameters and optimizer state. Two floors are measured in the same rounds, as yardsticks
+Restores copy every tensor into the existing parameters and optimizer state, twice per round: warm,
+from files in the page cache (all contenders alike: torchforge writes large files with O_DIRECT, which
+leaves them out of the cache, so they are read once, untimed, before the restores), then cold, each
+after the page cache is dropped (``drop_caches`` as root, else ``POSIX_FADV_DONTNEED`` on the files). Two floors are measured in the same rounds, as yardsticks
 for the targets: the fastest plain write of as many bytes this disk takes (O_DIRECT from huge pages, no
 copy or checksum, + fsync) and one copy of the state in memory (the least a non-blocking save, which must
 snapshot before it returns, can block for). The load average is printed: other processes share the CPUs
@@ -120,6 +121,25 @@ def copy_floor(tensors: list[torch.Tensor], dst: np.ndarray, pool: ThreadPoolExe
     return time.perf_counter() - t0
 
 
+def drop_page_cache(paths: list[str]) -> str:
+    """Write back everything, then drop the page cache: the whole cache where this process may
+    (``/proc/sys/vm/drop_caches``, root), else each of ``paths``' clean pages (``POSIX_FADV_DONTNEED``).
+    Returns which of the two ran."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return "fadvise(DONTNEED)"
+
+
 def timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -211,7 +231,10 @@ def main() -> None:
     copy_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy() if on_device else np.empty(nbytes, np.uint8)
     copy_dst.fill(0)  # its pages are touched before any timing, like the checkpointer's staging buffer
     copy_pool = ThreadPoolExecutor(2)
-    res: dict[str, list[float]] = {k: [] for k in (*saves, *restores, nb_return, nb_write, floor_disk, floor_copy)}
+    cold = {f"{k} (cold)": fn for k, fn in restores.items()}
+    dropped = []  # how each cold restore's page cache was dropped
+    res: dict[str, list[float]] = {k: [] for k in (*saves, *restores, *cold, nb_return, nb_write, floor_disk,
+                                                   floor_copy)}
     ratios = []
     for r in range(args.rounds):
         for name, fn in saves.items():
@@ -235,6 +258,9 @@ def main() -> None:
         read_once(os.path.join(folder, name) for name in os.listdir(folder))
         for name, fn in restores.items():
             res[name].append(timed(fn))
+        for name, fn in cold.items():
+            dropped.append(drop_page_cache([tpath, sm, so, *(os.path.join(folder, n) for n in os.listdir(folder))]))
+            res[name].append(timed(fn))
         print(f"round {r + 1}/{args.rounds} done", flush=True)
 
     gib = total / 2**30
@@ -254,6 +280,10 @@ def main() -> None:
     print(f"save vs torch.save (no fsync):              {b['torch.save'] / ours:5.2f}x")
     print(f"restore time / (load_file + copy_) time:    {r / st_load:5.2f}   (target <= 1.2)")
     print(f"restore vs torch.load + copy_:              {b['torch.load + copy_'] / r:5.2f}x  (target >= 10)")
+    rc, st_cold = b["torchforge restore (cold)"], b["safetensors load_file + copy_ (cold)"]
+    how = " and ".join(sorted(set(dropped)))
+    print(f"cold restore / (load_file + copy_) cold:    {rc / st_cold:5.2f}   (target <= 1.0; median of same-round "
+          f"ratios {statistics.median(a / o for a, o in zip(res['torchforge restore (cold)'], res['safetensors load_file + copy_ (cold)'])):.2f}; page cache dropped by {how})")
     print(f"non-blocking save blocks the caller for:    {b[nb_return] / ours:6.1%} of a blocking save, "
           f"best to best; median of same-round ratios {statistics.median(ratios):.1%} (target <= 10%)")
     print(f"\nfloors on this machine, same run: the disk allows a save at most {b[st_sync] / b[floor_disk]:.2f}x "
