@@ -7,10 +7,12 @@ committed); the competitors are timed both as they ship (no fsync) and with an f
 folder added ("+fsync"), which is the like-for-like comparison. Before every timed save the previous
 files are deleted and ``os.sync()`` runs (both untimed), so each contender starts with no dirty pages and
 pays no deletion: torchforge's compared saves keep every step (``keep_last=None``) and the benchmark
-deletes their old step folders untimed, as it unlinks the others' files. A ``Checkpointer(keep_last=1)``
-deletes the step it replaces before ``save`` returns (unlinking 1 GiB of files takes this ext4 disk about
-0.15 s); that save is timed on its own row, beside the others and out of the ratios, since no other
-contender deletes anything.
+deletes their old step folders untimed, as it unlinks the others' files; that is a first save into new
+files. The steady state of a training loop, where each save replaces the last one, is timed on two more
+rows and compared on a line of its own: ``save_file`` + fsync over the files of the save before (which
+it truncates and writes again) and a ``Checkpointer(keep_last=1)``, which prunes the step it replaces
+before ``save`` returns and writes the next step over that step's files (``recycle``; see
+:class:`~torchforge.checkpoint.Checkpointer`).
 Restores copy every tensor into the existing parameters and optimizer state, twice per round: warm,
 from files in the page cache (all contenders alike: torchforge writes large files with O_DIRECT, which
 leaves them out of the cache, so they are read once, untimed, before the restores), then cold, each
@@ -121,6 +123,10 @@ def copy_floor(tensors: list[torch.Tensor], dst: np.ndarray, pool: ThreadPoolExe
     return time.perf_counter() - t0
 
 
+OVER = "safetensors save_file+fsync, over its files"  # steady state: replaces the last save's files
+PRUNE = "torchforge save (fsync), keep_last=1"  # steady state: replaces (prunes) the last step
+
+
 def drop_page_cache(paths: list[str]) -> str:
     """Write back everything, then drop the page cache: the whole cache where this process may
     (``/proc/sys/vm/drop_caches``, root), else each of ``paths``' clean pages (``POSIX_FADV_DONTNEED``).
@@ -199,8 +205,9 @@ def main() -> None:
         "torch.save+fsync": lambda: torch_save(True),
         "safetensors save_file": lambda: st_save(False),
         "safetensors save_file+fsync": lambda: st_save(True),
+        OVER: lambda: st_save(True),
         "torchforge save (fsync)": lambda: ck.save(next(step), model=model, optimizer=opt),
-        "torchforge save (fsync), keep_last=1": lambda: ck_prune.save(next(prune_step), model=model, optimizer=opt),
+        PRUNE: lambda: ck_prune.save(next(prune_step), model=model, optimizer=opt),
     }
 
     @torch.no_grad()
@@ -238,7 +245,8 @@ def main() -> None:
     ratios = []
     for r in range(args.rounds):
         for name, fn in saves.items():
-            unlink(tpath, sm, so)
+            if name != OVER:  # that one replaces the files of the save before it
+                unlink(tpath, sm, so)
             drop_steps()
             os.sync()  # every contender starts with no dirty pages (not timed)
             res[name].append(timed(fn))
@@ -275,6 +283,9 @@ def main() -> None:
     print("\nratios (best of rounds; > 1 means torchforge is faster)")
     print(f"save vs safetensors save_file+fsync:        {b[st_sync] / ours:5.2f}x  (target >= 1.5; median of "
           f"same-round ratios {pairs:.2f}x)")
+    steady = statistics.median(a / o for a, o in zip(res[OVER], res[PRUNE]))
+    print(f"steady state, each save replacing the last: torchforge keep_last=1 vs save_file+fsync over its files: "
+          f"{b[OVER] / b[PRUNE]:5.2f}x  (median of same-round ratios {steady:.2f}x)")
     print(f"save vs safetensors save_file (no fsync):   {b['safetensors save_file'] / ours:5.2f}x")
     print(f"save vs torch.save+fsync:                   {b['torch.save+fsync'] / ours:5.2f}x")
     print(f"save vs torch.save (no fsync):              {b['torch.save'] / ours:5.2f}x")

@@ -577,8 +577,9 @@ def test_export_loads_in_safetensors_and_transformers(tmp_path):
 
 
 # --- hardening of the single-process path (issue 14 item 6) ----------------------------------------------
+@pytest.mark.parametrize("recycle", [True, False])
 @pytest.mark.parametrize("blocking", [True, False])
-def test_nothing_touches_the_folder_after_save_or_wait_returns(tmp_path, monkeypatch, blocking):
+def test_nothing_touches_the_folder_after_save_or_wait_returns(tmp_path, monkeypatch, blocking, recycle):
     import shutil as real_shutil
 
     import torchforge.checkpoint.checkpointer as mod
@@ -592,15 +593,129 @@ def test_nothing_touches_the_folder_after_save_or_wait_returns(tmp_path, monkeyp
         slow_rmtree(path, *a, **k)
 
     monkeypatch.setattr(mod.shutil, "rmtree", rmtree)
+    direct = _o_direct_works(tmp_path)
+    if direct:
+        _small_direct_io(monkeypatch)  # every file written with O_DIRECT: each one a spare once pruned
     m, _ = _fresh()
-    ck = Checkpointer(tmp_path / "ck", keep_last=1)
+    ck = Checkpointer(tmp_path / "ck", keep_last=1, recycle=recycle)
     for step in range(3):
         ck.save(step, model=m, blocking=blocking)
         ck.wait()
-        assert sorted(os.listdir(tmp_path / "ck")) == [f"step-{step:08d}"]  # pruned steps already gone
+        names = sorted(os.listdir(tmp_path / "ck"))
+        hidden = [n for n in names if n.startswith(".")]
+        assert [n for n in names if n not in hidden] == [f"step-{step:08d}"]  # pruned steps already gone
+        # with recycle the step pruned last stays hidden, as files for the next save to write over
+        assert len(hidden) == (step > 0 and recycle and direct) and all(n.startswith(".trash-") for n in hidden)
     real_shutil.move(tmp_path / "ck", tmp_path / "moved")  # the user moves the folder right away
     ck.close()  # nothing left running to fail on it
     assert Checkpointer(tmp_path / "moved").steps() == [2]
+    assert os.listdir(tmp_path / "moved") == ["step-00000002"]  # the next Checkpointer drops the spares
+
+
+def test_a_pruned_steps_files_are_written_over_by_the_next_save_never_a_linked_one(tmp_path, monkeypatch):
+    """keep_last with recycle (the default): the files of the step a save prunes stay hidden and the next
+    save writes over them (same inodes), cut to the new sizes; every step restores bit-exact and verifies;
+    a file the user hard-linked elsewhere is never written over; close() deletes what is left."""
+    import copy
+
+    if not _o_direct_works(tmp_path):
+        pytest.skip("the test folder's filesystem refuses O_DIRECT")
+    _small_direct_io(monkeypatch)
+    big = [torch.nn.Linear(64, 300), torch.nn.Linear(300, 2)]  # steps 0-1: larger files than steps 2-4
+
+    def model(k: int) -> torch.nn.Module:
+        torch.manual_seed(k)
+        return torch.nn.Sequential(*copy.deepcopy(big)) if k < 2 else torch.nn.Sequential(torch.nn.Linear(64, 30))
+
+    root = tmp_path / "ck"
+    ck = Checkpointer(root, keep_last=1)
+    inodes, saved = {}, {}
+
+    def data_files(step: int) -> dict[str, int]:  # the manifest is written last, never over a spare
+        folder = root / f"step-{step:08d}"
+        return {n: os.stat(folder / n).st_ino for n in os.listdir(folder) if n != "manifest.json"}
+
+    def spares() -> set[int]:  # files alive in the hidden folder: new files cannot take their inode numbers
+        return {os.stat(d / n).st_ino for d in root.iterdir() if d.name.startswith(".trash-") for n in os.listdir(d)}
+
+    for step in range(5):
+        m = model(step)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(step)
+        before = spares()
+        assert bool(before) == (step >= 2)  # the step pruned by the save before (none before step 1's save)
+        ck.save(step, model=m, extra={"step": step})
+        saved[step] = {k: v.clone() for k, v in m.state_dict().items()}
+        inodes[step] = data_files(step)
+        if step == 2:  # the user keeps a hard link to one of step 2's files
+            linked_name = min(inodes[2])
+            os.link(root / "step-00000002" / linked_name, tmp_path / "mine")
+            linked_bytes = (tmp_path / "mine").read_bytes()
+        if step >= 2:  # written over the files of step - 2, kept hidden when the save before pruned it
+            assert set(inodes[step].values()) <= before, step  # every data file (step 4: not the linked one)
+        ck.verify(step)
+        fresh = model(step)
+        assert ck.restore(step, model=fresh) == {"step": step}
+        assert _bitwise_equal(fresh.state_dict(), saved[step])
+    assert os.stat(tmp_path / "mine").st_ino not in inodes[4].values()
+    assert (tmp_path / "mine").read_bytes() == linked_bytes  # the linked file was never written over
+    assert any(n.startswith(".trash-") for n in os.listdir(root))
+    ck.close()
+    assert os.listdir(root) == ["step-00000004"]
+
+
+_KILLED_OVER_SPARES = """
+import os, signal, sys, torch
+import torchforge.checkpoint.writer as io
+from torchforge.checkpoint import Checkpointer, digest
+io.DIRECT_MIN, io.DIRECT_RUN, io.SUM_PIECE, digest.BLOCK = 0, 16 << 10, 8 << 10, 64 << 10
+real, runs = io.write_run_direct, []
+def write_run_direct(fd, off, views):
+    runs.append(off)
+    if os.environ.get("ARMED") and len(runs) == 3:  # a few runs over the spares written: killed mid-file
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(fd, off, views)
+io.write_run_direct = write_run_direct
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 2))
+ck = Checkpointer(sys.argv[1], keep_last=1)
+for step in range(3):
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1)
+    if step == 2:
+        assert any(n.startswith(".trash-") for n in os.listdir(sys.argv[1]))  # step 0's files, kept as spares
+        os.environ["ARMED"] = "1"
+        runs.clear()
+    ck.save(step, model=m, extra={"step": step})
+"""
+
+
+def test_a_save_killed_while_writing_over_a_pruned_steps_files_leaves_the_last_step_intact(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+
+    if not _o_direct_works(tmp_path):
+        pytest.skip("the test folder's filesystem refuses O_DIRECT")
+    _small_direct_io(monkeypatch)  # the child's block size: the manifest's digests are per 64 KiB block
+    root = tmp_path / "ck"
+    out = subprocess.run([sys.executable, "-c", _KILLED_OVER_SPARES, str(root)], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    assert any(n.startswith(".tmp-step-") for n in os.listdir(root))  # the killed save's half-written files
+    ck = Checkpointer(root, keep_last=1)  # cleans the dead process's leftovers, spares included
+    assert os.listdir(root) == ["step-00000001"] and ck.latest() == 1
+    ck.verify(1)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 2))
+    assert ck.restore(model=m) == {"step": 1}
+    torch.manual_seed(0)
+    want = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 2))
+    for p, q in zip(m.parameters(), want.parameters()):
+        assert torch.equal(p, q.detach() + 1 + 1)  # step 1: the initial weights plus 1 twice
+    ck.close()
 
 
 def test_descriptors_outlive_every_queued_write_and_enospc_is_a_checkpoint_error(tmp_path, monkeypatch):

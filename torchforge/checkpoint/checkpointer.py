@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -15,7 +16,7 @@ from typing import Any, Self
 
 import torch
 
-from torchforge.checkpoint import distributed
+from torchforge.checkpoint import distributed, writer
 from torchforge.checkpoint.digest import verify_files
 from torchforge.checkpoint.export import export_model
 from torchforge.checkpoint.staging import Arena
@@ -52,6 +53,12 @@ class Checkpointer:
         direct_io: write large files with ``O_DIRECT`` (Linux; falls back to buffered writes where the
             filesystem refuses it). Faster on fast disks and it leaves the page cache to training, but the
             files are not in the page cache afterwards. False writes through the page cache.
+        recycle: with ``keep_last`` and ``direct_io``, the large files of the step a save prunes are kept,
+            hidden (``.trash-*``), and the next save writes over them instead of into new files: no
+            deletion to wait for, and no block allocation (about 20% faster on ext4). The folder then
+            holds ``keep_last + 1`` steps' worth of files between saves, as it does during any save;
+            :meth:`close` (or the next Checkpointer on the folder) deletes them. A file with another hard
+            link is never written over. False deletes pruned steps at once.
         timeout: under torch.distributed, how long (seconds) a rank waits for the others' part of a save
             before it raises :class:`CheckpointError` (a rank that died mid-save never hangs the others).
 
@@ -62,7 +69,8 @@ class Checkpointer:
     """
 
     def __init__(self, root: str | os.PathLike, keep_last: int | None = 3, max_shard_size: int | str = "2GB",
-                 *, threads: int | None = None, direct_io: bool = True, timeout: float = 600.0):
+                 *, threads: int | None = None, direct_io: bool = True, recycle: bool = True,
+                 timeout: float = 600.0):
         self.root = os.path.abspath(os.fspath(root))
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 0):
             raise ValueError(f"keep_last={keep_last!r} must be None or an int >= 0")
@@ -70,6 +78,8 @@ class Checkpointer:
         self.max_shard_size = parse_size(max_shard_size, option="max_shard_size")
         os.makedirs(self.root, exist_ok=True)
         self.direct_io = bool(direct_io)
+        self.recycle = bool(recycle)
+        self._spare_dir: str | None = None  # the hidden folder of a pruned step whose files the next save reuses
         self.timeout = float(timeout)
         self.last_restore: dict[str, int] = {}  # bytes read and needed by the last distributed restore
         self._pool = ThreadPoolExecutor(threads or 8,
@@ -251,7 +261,8 @@ class Checkpointer:
                      "checksum": "blake2b128-of-4KiB-page-sum64, 64MiB blocks", "files": entries}
                 return FilePlan.of_bytes(MANIFEST, json.dumps(m, indent=1).encode() + b"\n")
 
-            write_files(tmp, files, self._pool, self._flusher, then=manifest, direct=self.direct_io)
+            write_files(tmp, files, self._pool, self._flusher, then=manifest, direct=self.direct_io,
+                        spares=self._spares())
             fsync_dir(tmp)
             final = self.path(step)
             crash_point("before-rename")
@@ -267,7 +278,25 @@ class Checkpointer:
             f.views, f.parts = [], []
         if export_to is not None and "model" in state:
             self._export(step, export_to, self.max_shard_size, overwrite=True)
-        self._prune()
+        self._prune(recycle=self.recycle and self.direct_io)
+
+    def _spares(self) -> list[str]:
+        """The files of the step pruned last, largest first (see ``recycle``)."""
+        if self._spare_dir is None:
+            return []
+        sized = []
+        try:
+            for entry in os.scandir(self._spare_dir):
+                if entry.is_file(follow_symlinks=False):
+                    sized.append((entry.stat().st_size, entry.path))
+        except OSError:  # deleted meanwhile (another Checkpointer opened on the folder cleans leftovers)
+            return []
+        return [p for _, p in sorted(sized)]  # popped from the end: the largest first
+
+    def _drop_spares(self) -> None:
+        if self._spare_dir is not None:
+            shutil.rmtree(self._spare_dir, ignore_errors=True)
+            self._spare_dir = None
 
     def _install(self, tmp: str, final: str) -> None:
         """Move a written step folder into place. Re-saving a step swaps the two folders in one atomic
@@ -292,21 +321,43 @@ class Checkpointer:
             fsync_dir(self.root)
             shutil.rmtree(old, ignore_errors=True)
 
-    def _prune(self) -> None:
+    def _prune(self, recycle: bool = False) -> None:
         """Delete all but the ``keep_last`` most recently committed steps (by commit, not step number: a
-        run rolled back to an earlier step keeps its new saves), before the save returns."""
+        run rolled back to an earlier step keeps its new saves), before the save returns; with
+        ``recycle`` the first one's files are kept hidden for the next save to write over."""
         if not self.keep_last:
             return
         for s in self.committed()[:-self.keep_last]:
-            self._discard(self.path(s))
+            self._discard(self.path(s), recycle)
+            recycle = False
 
-    def _discard(self, folder: str) -> None:
-        """Make a step invisible at once (rename), then delete its files."""
+    def _discard(self, folder: str, recycle: bool = False) -> None:
+        """Make a step invisible at once (rename), then delete its files, or with ``recycle`` keep them as
+        the next save's spares (the spares kept before, if any are left, are deleted)."""
         trash = os.path.join(self.root, f".trash-{os.path.basename(folder)}-{uuid.uuid4().hex[:8]}")
         os.rename(folder, trash)
         fsync_dir(self.root)
         crash_point("old-step-hidden")
-        shutil.rmtree(trash, ignore_errors=True)
+        self._drop_spares()
+        if recycle and self._keep_spares(trash):
+            self._spare_dir = trash
+        else:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    @staticmethod
+    def _keep_spares(trash: str) -> bool:
+        """Delete the files of a pruned step that no save would write over (those written without
+        O_DIRECT, and any with another hard link); whether any is left."""
+        kept = False
+        for entry in os.scandir(trash):
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size >= writer.DIRECT_MIN:
+                kept = True
+            elif entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+        return kept
 
     def _clean_leftovers(self) -> None:
         host = distributed.host_name()
@@ -551,6 +602,7 @@ class Checkpointer:
         try:
             self.wait(deletions=True)
         finally:
+            self._drop_spares()
             self._arena = Arena()
             self._pool.shutdown(wait=True)
             self._flusher.shutdown(wait=True)

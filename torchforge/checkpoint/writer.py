@@ -8,12 +8,14 @@ save at a named moment.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import errno
 import json
 import mmap
 import os
 import signal
+import stat
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -170,8 +172,8 @@ def _blocks(views: Sequence[tuple[int, memoryview]], size: int) -> list[list[mem
 
 def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor,
                 flusher: ThreadPoolExecutor | None = None,
-                then: Callable[[dict[str, dict[str, Any]]], FilePlan] | None = None, *, direct: bool = True
-                ) -> dict[str, dict[str, Any]]:
+                then: Callable[[dict[str, dict[str, Any]]], FilePlan] | None = None, *, direct: bool = True,
+                spares: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """Write files into ``folder`` with parallel block writes, digest each block, fsync each file.
 
     With ``direct`` (Linux), files of at least ``DIRECT_MIN`` bytes are written with ``O_DIRECT``: each
@@ -183,6 +185,12 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
     slow whenever the kernel must first find fresh memory (on a VM, memory its host has not backed yet).
     It also leaves the page cache to the training job. The files are then not in the page cache.
     Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network filesystems) the buffered path runs.
+
+    ``spares``: files of a pruned step (paths; the list is consumed) that O_DIRECT files are written over
+    instead of new ones: each is renamed into ``folder`` under the new name, overwritten and cut to its
+    new size. Writing over allocated blocks skips the filesystem's block allocation (on ext4 1 GiB in
+    8 x 32 MiB O_DIRECT writes took 0.36 s over an existing file against 0.45 s into a new one), and the
+    pruned step costs no deletion.
 
     The buffered path: ``pool`` hashes and writes blocks; ``flusher`` (one thread) starts each written
     block's write-back to disk (Linux ``sync_file_range``) so that the disk works while the CPUs still
@@ -201,6 +209,12 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
         path, flags = os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL
         fd, is_direct = -1, False
         if want_direct and _O_DIRECT and size >= DIRECT_MIN:
+            if spares:
+                fd = _recycled(spares.pop(), path)
+                if fd >= 0:
+                    fds[name] = fd
+                    padded.append((fd, size))  # cut to its new size once written
+                    return fd, True
             try:
                 fd, is_direct = os.open(path, flags | _O_DIRECT, 0o644), True
             except OSError as e:
@@ -217,7 +231,7 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
         jobs, flushes = [], []
         for f in files:
             fd, is_direct = create(f.name, f.size, direct)
-            if is_direct and f.size % PAGE:
+            if is_direct and f.size % PAGE and (fd, f.size) not in padded:
                 padded.append((fd, f.size))
             for b, views in enumerate(_blocks(f.views, f.size)):
                 if is_direct:  # runs of a block are written in parallel; the digest is made in order
@@ -257,6 +271,25 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
         for fd in fds.values():
             os.close(fd)
     return entries
+
+
+def _recycled(spare: str, path: str) -> int:
+    """``spare`` moved to ``path`` and opened for O_DIRECT writes over its blocks; -1 (and nothing at
+    ``path``) where it cannot be: gone, linked from elsewhere (another name would see the new bytes),
+    not a regular file, or refused by the filesystem."""
+    try:
+        st = os.lstat(spare)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            return -1
+        os.rename(spare, path)
+    except OSError:
+        return -1
+    try:
+        return os.open(path, os.O_WRONLY | _O_DIRECT)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return -1
 
 
 _free_buffers: list[memoryview] = []  # page-aligned DIRECT_RUN-byte buffers not in use (kept for the next save)
