@@ -419,6 +419,30 @@ def test_a_range_past_the_objects_end_fails_at_once_naming_the_url_and_size(env)
     assert client.get_ranges(url, [(990, 1000)], etag=etag) == [data[990:]]  # up to the end still reads
 
 
+def test_an_interrupted_request_never_answers_the_next_one(env):
+    """Ctrl-C between a request and its reply (here a SIGINT while the proxy slows a range read): the
+    reply must not be read as the next call's answer, which asks another object."""
+    import signal
+
+    client, proxy, put = env
+    a = put("intr/a.bin", os.urandom(4 << 20))
+    b_data = os.urandom(1000)
+    b = put("intr/b.bin", b_data)
+    client.head(b)  # the fetcher is up
+    proxy.delay = 0.5
+    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            client.get_ranges(a, [(0, 4 << 20)], storage_options=_via(proxy))
+            time.sleep(5)  # (not reached: the read takes longer than the timer)
+    finally:
+        timer.cancel()
+        proxy.delay = 0.0
+    assert client.get_ranges(b, [(10, 20)], storage_options=_via(proxy)) == [b_data[10:20]]
+    assert client.head(b).size == 1000
+
+
 def test_overwritten_object_raises_changed(env):
     client, _, put = env
     old = os.urandom(50_000)
@@ -480,7 +504,10 @@ def test_cache_limit_and_belady(tmp_path):
         ObjectCache(tmp_path, policy="mru")
 
 
-def test_killed_download_leaves_nothing_used(env):
+@pytest.mark.parametrize("limit", ["10MB", None])
+def test_killed_download_leaves_nothing_used(env, limit):
+    """A process killed mid-download leaves a partial file under a name nothing reads; the next download
+    removes it, with or without a cache_limit (it holds the whole size, preallocated)."""
     client, _, put = env
     data = os.urandom(300_000)
     url = put("kill/shard.mds", data)
@@ -504,7 +531,7 @@ def test_killed_download_leaves_nothing_used(env):
     left = _objects(client)
     assert len(left) == 1 and ".tmp." in left[0]  # the partial download, under a name nothing uses
     assert client.cache.lookup(url, etag) is None
-    path = client.fetch(url, len(data), etag=etag, cache_limit="10MB")
+    path = client.fetch(url, len(data), etag=etag, cache_limit=limit)
     with open(path, "rb") as f:
         assert f.read() == data
     assert _objects(client) == [os.path.basename(path)]  # the stale partial file is gone
@@ -563,6 +590,28 @@ def _upload_mds(tmp_path, put, prefix: str, n: int = 60, marker: int = 0) -> lis
     rows = [{"id": i, "blob": bytes([(i + marker) % 251]) * (200 + 37 * i)} for i in range(n)]
     _put_mds(put, tmp_path / f"mds-{prefix.replace('/', '_')}-{marker}", prefix, rows, 1 << 13, hashes=["sha1"])
     return rows
+
+
+@pytest.mark.parametrize("mode", ["ranges", "shards"])
+def test_an_mds_dataset_at_a_url_pickles_after_it_has_read(env, tmp_path, mode):
+    """Spawned DataLoader workers get the dataset pickled: after a batch (which makes the shards' sample
+    decoders, holding struct.Structs) it must still pickle, and the copy read the same samples."""
+    import pickle
+
+    import torchforge
+
+    _client, proxy, put = env
+    rows = _upload_mds(tmp_path, put, f"ds/pickled-{mode}")
+    url = f"s3://{BUCKET}/ds/pickled-{mode}"
+    ds = torchforge.open_dataset(url, mode=mode, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    assert [int(s["id"]) for s in ds.__getitems__([0, 41, 59])] == [0, 41, 59]
+    again = pickle.loads(pickle.dumps(ds))
+    assert [bytes(s["blob"]) for s in again.__getitems__([59, 3])] == [rows[59]["blob"], rows[3]["blob"]]
+    import torch
+
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context="spawn",
+                                         collate_fn=_collate_ids)
+    assert sorted(i for b in loader for i, _ in b) == list(range(60))
 
 
 def test_an_mds_dataset_without_hashes_pins_every_shard_when_it_opens(env, tmp_path):
@@ -1170,8 +1219,9 @@ def test_a_jinx_shard_overwritten_or_lying_at_its_url_is_a_typed_error_naming_it
 
 
 class _RangeHandler(BaseHTTPRequestHandler):
-    """GET (with one ``Range: bytes=a-b``) and HEAD of the files below the server's folder, with ETags;
-    records (path, ranged) for every GET."""
+    """GET (with one ``Range: bytes=a-b``, and ``If-Match`` honoured as a web server does: 412 when the
+    ETag differs) and HEAD of the files below the server's folder, with ETags; records (path, ranged) for
+    every GET served."""
 
     def log_message(self, *args):
         pass
@@ -1207,6 +1257,13 @@ class _RangeHandler(BaseHTTPRequestHandler):
             return
         with open(path, "rb") as f:
             data = f.read()
+        st = os.stat(path)
+        match = self.headers.get("If-Match")
+        if match is not None and match != f'"{st.st_size}-{st.st_mtime_ns}"':
+            self.send_response(412)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         rng = self.headers.get("Range")
         if rng:
             a, b = rng.removeprefix("bytes=").split("-")
@@ -1238,6 +1295,44 @@ def test_a_jinx_dataset_at_an_http_url_is_found_by_probing_and_read_with_ranges(
             assert same(exp, ds[i]) == "", i
         whole = [path for path, ranged in server.gets if not ranged]
         assert sorted(whole) == sorted(f"/{n}" for n in os.listdir(local))  # each shard and sidecar once
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["ranges", "shards"])
+def test_an_mds_dataset_at_an_http_url_pins_every_shard_when_it_opens(tmp_path, mode):
+    """http(s) folders cannot be listed: every shard is pinned by a HEAD at open, so a shard overwritten
+    mid-run is a RemoteChangedError naming it, in either mode, never its new bytes read with the old
+    offsets (before, ranges mode sent no If-Match at all)."""
+    import shutil
+
+    import torchforge
+    from torchforge.formats.mds import MDSWriter
+
+    def write(folder, marker):
+        with MDSWriter(str(folder), {"id": "int", "blob": "bytes"}, size_limit=1 << 11) as w:
+            for i in range(30):
+                w.write({"id": i, "blob": bytes([marker]) * (50 + i)})
+
+    write(tmp_path / "v1", 1)
+    write(tmp_path / "v2", 2)
+    served = tmp_path / "served"
+    shutil.copytree(tmp_path / "v1", served)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RangeHandler)
+    server.folder, server.gets = str(served), []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        ds = torchforge.open_dataset(url, mode=mode, cache_dir=tmp_path / "cache", storage_options={"allow_http": True})
+        shards = sorted(n for n in os.listdir(served) if n != "index.json")
+        assert len(shards) >= 2 and all(ds._etags.get(f"{url}/{n}") for n in shards)
+        assert bytes(ds[0]["blob"]) == bytes([1]) * 50
+        last = shards[-1]
+        os.utime(tmp_path / "v2" / last, ns=(1, 1))  # another mtime: another ETag, as a rewrite gives
+        shutil.copy(tmp_path / "v2" / last, served / last)
+        with pytest.raises(RemoteChangedError, match=last):
+            ds[29]
+        assert bytes(ds[1]["blob"]) == bytes([1]) * 51  # the shards that did not change still read
     finally:
         server.shutdown()
 
@@ -1282,6 +1377,9 @@ def test_safetensors_shards_at_an_s3_url_read_like_local_ones_and_a_bad_header_n
     assert all(proxy.gets_of(f"st/a/{n}") >= 1 for n in names)
     direct = torchforge.SafetensorsDataset(url, cache_dir=tmp_path / "cache", storage_options=_via(proxy))
     assert isinstance(direct, RemoteSafetensorsDataset) and torch.equal(direct[39]["ids"], expected[39]["ids"])
+    # options only one format takes find that format (the JINX class, tried first, has no columns=)
+    some = torchforge.open_dataset(url, columns=["y"], cache_dir=tmp_path / "cache", storage_options=_via(proxy))
+    assert isinstance(some, RemoteSafetensorsDataset) and some.columns == ["y"] and float(some[3]["y"]) == 3.0
     with open(local / names[2], "rb") as f:
         data = bytearray(f.read())
     data[12] ^= 0x40  # a bit flipped inside the JSON header

@@ -252,9 +252,21 @@ class ObjectCache:
                 objects.append(CachedObject(e.name, e.path, st.st_size, m["url"], st.st_mtime))
         return objects, used
 
+    def _sweep(self) -> None:
+        """Remove the partial downloads of this host's dead processes (each one holds its whole size:
+        the reservation preallocates it), as :meth:`_scan` does under a limit."""
+        with os.scandir(self.objects) as it:
+            for e in it:
+                tmp = _TMP.match(e.name)
+                if tmp is not None and tmp["host"] == _HOST and not pid_alive(int(tmp["pid"])):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(e.path)
+
     def _reserve(self, final: str, size: int, url: str, next_use: Mapping[str, int]) -> str:
         tmp = f"{final}.tmp.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
         with _flock(os.path.join(self.root, ".accounting"), fcntl.LOCK_EX):
+            if self.limit is None:  # with a limit, _scan below removes them
+                self._sweep()
             if self.limit is not None:
                 if size > self.limit:
                     raise CacheFullError(f"the object's {size} bytes exceed cache_limit={self.limit}", url=url)

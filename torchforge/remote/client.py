@@ -95,9 +95,18 @@ class FetcherClient:
                     self._conn = None
                     if attempt:
                         raise
+                except BaseException:  # interrupted (Ctrl-C) between the request and its reply: that reply
+                    self._drop()     # would be read as the next call's answer, so the connection goes
+                    raise
         if reply.error is not None:
             raise reply.error
         return reply.value
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.close()
 
     def close(self) -> None:
         """Close this process's connection (the fetcher exits once no process is connected)."""

@@ -44,6 +44,7 @@ then the sidecar values they point at.
 """
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -70,7 +71,13 @@ def open_remote(url: str, **kwargs: Any) -> Any:
     except RemoteNotFoundError:
         pass
     found = False  # any object below the folder
+    refused: TypeError | None = None  # options the JINX class does not take (columns=, for safetensors)
     for cls in (RemoteJinxDataset, RemoteSafetensorsDataset):
+        try:
+            inspect.signature(cls).bind(url, **kwargs)
+        except TypeError as e:
+            refused = refused or TypeError(f"{cls.__name__}: {e}")
+            continue
         try:
             return cls(url, **kwargs)
         except RemoteNotFoundError:  # nothing listed (or, over http, no shard-00000 of that format)
@@ -79,6 +86,8 @@ def open_remote(url: str, **kwargs: Any) -> Any:
             raise
         except FormatError:  # objects, none of this format
             found = True
+    if refused is not None:  # the format these options were for is not here: say which options did not fit
+        raise refused
     if not found:
         raise RemoteNotFoundError("no dataset here: no index.json (MDS) and no shards below the folder",
                                   url=f"{folder}/{INDEX_BASENAME}")

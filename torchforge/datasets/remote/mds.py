@@ -88,14 +88,14 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         1,000 objects): a shard is then read at that version or raises RemoteChangedError, whether or not
         index.json records its hashes, and the node's cache finds it by that version without a request.
         A folder that cannot be listed (``http(s)://``, or a listing the credentials deny) pins each shard
-        at its first fetch instead."""
+        by a HEAD of its own instead."""
         if self.url.split("://", 1)[0] in ("http", "https"):
-            return {}
+            return self._headed(client)
         try:
             listed = client.list_versions(self.url + "/", storage_options=self.storage_options)
         except RemoteAccessError as e:
-            log.debug("%s: no listing (%s); shards are pinned at their first fetch", self.url, e)
-            return {}
+            log.debug("%s: no listing (%s); every shard is pinned by a HEAD", self.url, e)
+            return self._headed(client)
         pins = {u: etag for u, _, etag in listed if etag}
         index_url = f"{self.url}/{INDEX_BASENAME}"
         listed_index = pins.get(index_url)
@@ -105,6 +105,22 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
                                      f"ETag {listed_index}, the index read had {self.version}): open it again",
                                      url=index_url)
         return pins
+
+    def _headed(self, client: Any) -> dict[str, str]:
+        """Every shard's ETag from a HEAD of its own (``READERS`` at a time), for a folder that cannot be
+        listed: the whole dataset is pinned when it opens, so no epoch mixes shards of two versions."""
+        urls = [f"{self.url}/{m.zip_basename or m.raw_basename}" for m in self.metas]
+        clients = self._clients()
+
+        def head(n: int, url: str) -> tuple[str, str | None]:
+            return url, clients[n % len(clients)].head(url, storage_options=self.storage_options).etag
+
+        if len(urls) <= 1:
+            pairs = [head(0, u) for u in urls]
+        else:
+            assert self._client_of is not None
+            pairs = list(self._client_of[2].map(head, range(len(urls)), urls))
+        return {u: etag for u, etag in pairs if etag}
 
     # --- mode="ranges" ------------------------------------------------------------------------------
     def _shard_url(self, k: int) -> str:
@@ -318,7 +334,9 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         return [os.path.join(self.folder, INDEX_BASENAME)] + [f for f in self._files if f]
 
     def __getstate__(self) -> dict[str, Any]:
-        return self._remote_state(super().__getstate__())
+        state = self._remote_state(super().__getstate__())
+        state["_decoders"] = {}  # struct.Structs do not pickle; each process makes its own
+        return state
 
 
 def _place(src: str, dst: str) -> None:
