@@ -466,6 +466,12 @@ def test_lying_index_raises_corrupt_shard_error_not_an_out_of_bounds_read(tmp_pa
     _lie(written, index={**m.index.to_json(), "bytes": os.path.getsize(index), "digest": file_digest(index)})
     with pytest.raises(CorruptShardError, match="shard 9"):
         FeatureStore(written.path).get([3])
+    for shard, row, says in ((0, -5, "row -5"), (-2, 0, "shard -2")):  # negative: never read before the map
+        write_index(index, ids, np.full(50, shard, np.int32), np.full(50, row))
+        _lie(written, index={**m.index.to_json(), "bytes": os.path.getsize(index), "digest": file_digest(index)})
+        for batch in ([3], list(range(50)) * 6):  # a few ids (searched one by one) and many (in rounds)
+            with pytest.raises(CorruptShardError, match=says):
+                FeatureStore(written.path).get(batch)
 
 
 # --- loader, shared memory, join -----------------------------------------------------------------

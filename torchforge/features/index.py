@@ -14,7 +14,9 @@ counts, in ``steps`` rounds over the whole batch at once, how many ids of the bu
 loads of a round are independent of each other, where ``np.searchsorted`` probes one id after the
 other). ``shift`` is chosen so that buckets hold about two ids on average; ``steps`` is the bit length
 of the fullest bucket, so skewed ids cost more rounds but never a wrong answer. Where ``steps`` is
-large the batch is sorted and handed to ``np.searchsorted`` instead.
+large the batch is sorted and handed to ``np.searchsorted`` instead, and a batch of a few ids (a
+DataLoader batch's, in a join) goes to ``np.searchsorted`` as it is: for 64 ids the rounds' dozen numpy
+calls cost more than 64 binary searches.
 
 Every process maps the file read-only: nothing is rebuilt per process and no Python dict of ids
 exists. Values read from the file are never trusted for memory safety: positions are clipped to the
@@ -38,6 +40,7 @@ __all__ = ["IdIndex", "last_writes", "merge", "overlay", "write_index"]
 INDEX_FORMAT = "torchforge-feature-index"
 _BUCKET_FILL = 2  # ids per bucket on average
 _MAX_ROUNDS = 10  # beyond this many rounds np.searchsorted is faster
+_FEW = 256  # batches of at most this many ids are searched one by one (np.searchsorted)
 _SPEC = {"id": ("I64", np.int64), "shard": ("I32", np.int32), "row": ("I64", np.int64), "dir": ("I64", np.int64)}
 
 
@@ -173,7 +176,9 @@ class IdIndex:
         n = self.n
         if n == 0 or len(q) == 0:
             return np.zeros(len(q), np.int64), np.zeros(len(q), bool)
-        if self.steps > _MAX_ROUNDS:
+        if len(q) <= _FEW:  # a few ids: one binary search each costs less than the rounds' numpy calls
+            pos = np.searchsorted(self.ids, q)
+        elif self.steps > _MAX_ROUNDS:
             order = np.argsort(q, kind="stable")
             pos = np.empty(len(q), np.int64)
             pos[order] = np.searchsorted(self.ids, q[order])  # sorted keys: each search starts at the last

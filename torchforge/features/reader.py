@@ -110,9 +110,13 @@ class Snapshot:
 
     def gather(self, q: np.ndarray, columns: list[str], missing: Any) -> dict[str, torch.Tensor]:
         n = len(q)
-        out = {c: collate.empty((n, *self.schema[c].shape), self.schema[c].dtype) for c in columns}
-        items = {c: _items(_rows_view(t, n), self.schema[c].row_bytes) for c, t in out.items()
-                 if self.schema[c].row_bytes and n}
+        out, items = {}, {}
+        for c in columns:
+            col = self.schema[c]
+            t = out[c] = collate.empty((n, *col.shape), col.dtype)
+            if col.row_bytes and n:  # the output as one item per row (see _items)
+                items[c] = t.view(-1).view(torch.uint8).numpy().view(_ITEM.get(col.row_bytes)
+                                                                     or np.dtype((np.void, col.row_bytes)))
         if self.index is not None:
             pos, found = self.index.lookup(q)
         else:
@@ -135,10 +139,16 @@ class Snapshot:
     def _copy(self, pos: np.ndarray, hit: np.ndarray | None, items: dict[str, np.ndarray]) -> None:
         sh = np.take(self.index.shard, pos, mode="clip")  # pos < len(index), from lookup
         rw = np.take(self.index.row, pos, mode="clip")
-        k_lo, k_hi = int(sh.min()), int(sh.max())
-        if k_lo < 0 or k_hi >= len(self._shards):
-            raise CorruptShardError(f"the index names shard {k_lo if k_lo < 0 else k_hi}; the manifest lists "
-                                    f"{len(self._shards)}", path=self.index.path)
+        if len(self._shards) == 1:  # (one reduction: a negative shard number is a huge unsigned one)
+            k_lo = k_hi = 0
+            if int(sh.view(np.uint32).max()) != 0:
+                raise CorruptShardError(f"the index names shard {int(sh[sh != 0][0])}; the manifest lists 1",
+                                        path=self.index.path)
+        else:
+            k_lo, k_hi = int(sh.min()), int(sh.max())
+            if k_lo < 0 or k_hi >= len(self._shards):
+                raise CorruptShardError(f"the index names shard {k_lo if k_lo < 0 else k_hi}; the manifest lists "
+                                        f"{len(self._shards)}", path=self.index.path)
         if k_lo == k_hi:  # one shard: rows go straight into the output
             self._check_rows(k_lo, rw)
             cols = self.shard(k_lo).cols
@@ -171,18 +181,14 @@ class Snapshot:
 
     def _check_rows(self, k: int, rows: np.ndarray) -> None:
         n = self.shard(k).rows
-        if len(rows) and (rows.min() < 0 or rows.max() >= n):
-            raise CorruptShardError(f"the index points at row {int(rows.max())} of shard {k}, which has {n} rows",
+        if len(rows) and int(rows.view(np.uint64).max()) >= n:  # a negative row is a huge unsigned one
+            bad = int(rows[(rows < 0) | (rows >= n)][0])
+            raise CorruptShardError(f"the index points at row {bad} of shard {k}, which has {n} rows",
                                     path=self.index.path)
 
     def ids(self) -> np.ndarray:
         """Every id of the version, sorted (a read-only view of the mapped index)."""
         return self.index.ids if self.index is not None else np.zeros(0, np.int64)
-
-
-def _rows_view(t: torch.Tensor, n: int) -> np.ndarray:
-    """A uint8 ``(n, row_bytes)`` numpy view of an output tensor."""
-    return t.reshape(-1).view(torch.uint8).numpy().reshape(n, -1)
 
 
 def _default_row(missing: Any, name: str, schema: Schema) -> np.ndarray:

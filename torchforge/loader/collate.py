@@ -27,6 +27,7 @@ tuple/list of fields, or a single field):
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,8 +62,9 @@ def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.float32
     if _arena is None:
         return torch.empty(shape, dtype=dtype)
     shape = tuple(int(d) for d in shape)
-    n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(_arena.alloc(n)).view(dtype).view(shape)
+    if min(shape, default=0) < 0:
+        raise RuntimeError(f"empty: negative dimension in {shape}")
+    return torch.from_numpy(_arena.alloc(math.prod(shape) * dtype.itemsize)).view(dtype).view(shape)
 
 
 def _shm_tensor_fn(batch: list, *, collate_fn_map: Any = None) -> torch.Tensor:
