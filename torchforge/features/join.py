@@ -132,10 +132,13 @@ class JoinedDataset(torch.utils.data.Dataset):
         samples = self._samples(indices)
         if not samples or any(c in samples[0] for c in self.columns):
             return None
-        ids = self._ids(samples)
         batch = collate_fn(samples)
         if type(batch) is not dict:
             return None
+        ids = batch.get(self.key)  # the ids collated already: no field read per sample
+        if not (type(ids) is torch.Tensor and ids.dim() == 1 and len(ids) == len(samples)
+                and not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool):
+            ids = self._ids(samples)
         batch.update(self.store.get(ids, self.columns, missing=self.missing))
         return batch
 
