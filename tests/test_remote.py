@@ -732,6 +732,53 @@ def test_a_first_batch_waits_for_parts_not_whole_shards(env, tmp_path, monkeypat
     assert not proxy.gets  # complete shards are mapped from the node's cache
 
 
+def test_a_jinx_first_batch_waits_for_parts_not_whole_shards_or_sidecars(env, tmp_path, monkeypatch):
+    """mode="shards", no cache_limit: a JINX batch of an exact shuffle reads its lines and sidecar values
+    from the shards' and sidecars' downloads as their parts arrive, as MDS does; every byte is still
+    fetched once, and complete shards are mapped from the node's cache."""
+    import torchforge
+    from torchforge.formats.jinx import JinxWriter
+    from torchforge.sampler import GlobalSampler
+
+    _, proxy, put = env
+    monkeypatch.setenv("TORCHFORGE_FETCH_BLOCK", str(64 * 1024))
+    monkeypatch.setenv("TORCHFORGE_FETCH_THREADS", "1")
+    rows = [{"id": i, "text": f"sample {i}", "blob": bytes([i % 251]) * 40_000} for i in range(200)]
+    local = tmp_path / "jearly"
+    with JinxWriter(local, shard_size=4096, compression=None, binary_threshold=1024) as w:  # lines only
+        for r in rows:
+            w.write(r)
+    _upload_folder(put, str(local), "jx/early")
+    names = sorted(os.listdir(local))
+    sizes = {n: os.path.getsize(local / n) for n in names}
+    assert sum(n.endswith(".binx") for n in names) >= 3  # the blobs live in the sidecars
+    ds = torchforge.open_dataset(f"s3://{BUCKET}/jx/early", cache_dir=tmp_path / "jearly-cache",
+                                 storage_options=_via(proxy))
+    order = GlobalSampler(len(ds), seed=3).indices(0, len(ds)).tolist()
+    proxy.reset()
+    proxy.delay = 0.02  # per 64 KiB sent
+    first = ds.__getitems__(order[:16])
+    assert [(int(s["id"]), s["text"], bytes(s["blob"])) for s in first] == \
+        [(i, rows[i]["text"], rows[i]["blob"]) for i in order[:16]]
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(ds))  # for spawned workers, with the shards' indexes made for the batch
+    assert [bytes(s["blob"]) for s in copy.__getitems__(order[16:20])] == [rows[i]["blob"] for i in order[16:20]]
+    assert len({ds.locate(i)[0] for i in order[:16]}) >= 4  # nearly every shard touched...
+    assert proxy.bytes_sent < sum(sizes.values()) / 2  # ...and none waited for whole
+    got = [s for k in range(16, len(order), 16) for s in ds.__getitems__(order[k:k + 16])]
+    assert [(int(s["id"]), bytes(s["blob"])) for s in got] == [(i, rows[i]["blob"]) for i in order[16:]]
+    ds.prefetch(order, wait=True)  # (the downloads in progress, to their end)
+    for name in names:  # every byte of every shard and sidecar fetched exactly once
+        served = sorted(_served(proxy, f"jx/early/{name}"))
+        assert served[0][0] == 0 and served[-1][1] in (sizes[name], -1), (name, served)
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(served)), (name, served)
+    proxy.reset()
+    assert [int(s["id"]) for s in ds.__getitems__(order[:50])] == order[:50]
+    assert not proxy.gets  # complete shards are mapped from the node's cache
+    assert all(ds._jshards[k] is not None for k in {ds.locate(i)[0] for i in order[:50]})
+
+
 def test_a_dataset_overwritten_at_its_url_is_a_new_version_never_mixed(env, tmp_path):
     import torchforge
 

@@ -29,7 +29,9 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
     :class:`~torchforge.remote.RemoteChangedError` naming it, never mixed into an epoch. In
     ``mode="shards"`` a shard and its sidecar are fetched whole into the node's cache on first use (one
     download per node), held in use while mapped, and read as local shards; prefetching, ``cache_limit``
-    and ``cache_policy`` work as for :class:`RemoteMDSDataset`.
+    and ``cache_policy`` work as for :class:`RemoteMDSDataset`. With no ``cache_limit`` a batch does not
+    wait for them whole: its samples' lines and sidecar values are read from the downloads as their parts
+    arrive (the parts it needs first), as MDS samples are.
 
     In ``mode="ranges"`` nothing is fetched whole: opening also decodes each shard's index (from the footer
     already read, or one range of the sidecar when the index lives there), and a batch is two rounds of
@@ -68,7 +70,8 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         if not names:
             raise FormatError("folder holds no shard-*.jinx objects", path=self.url)
         kept = []
-        self._ranged: list[_RangeShard] = []  # mode="ranges": each kept shard's index, no map
+        self._ranged: list[_RangeShard | None] = []  # each kept shard's index, no map (mode="shards": on demand)
+        self._footers: list[tuple[dict, int]] = []  # each kept shard's footer and where it starts
         for name in names:
             u, size, etag = listed[name]
             footer, foot = _jinx_footer(client, u, size, etag, self.storage_options)
@@ -81,8 +84,9 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             if side is not None:
                 objs.append((side[0], side[1], side[2], None))
             kept.append((objs, count, shard_split))
-            if mode == "ranges":
-                self._ranged.append(_RangeShard(objs, footer, foot, client, self.storage_options))
+            self._footers.append((footer, foot))
+            self._ranged.append(_RangeShard(objs, footer, foot, client, self.storage_options)
+                                if mode == "ranges" else None)
         self.shard_splits = [shard_split for _, _, shard_split in kept]  # from the footers
         self._remote_objs = [objs for objs, _, _ in kept]
         self._counts = [count for _, count, _ in kept]
@@ -127,20 +131,34 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             self._jshards[k] = None
 
     # --- mode="ranges" ------------------------------------------------------------------------------
-    def _read(self, indices: list[int], skip: bool = False) -> list[Any]:
+    def _range_shard(self, k: int) -> _RangeShard:
+        """Shard ``k``'s index for reads by byte ranges (made from its footer on first need in
+        ``mode="shards"``: one more range of the sidecar when the index lives there)."""
+        r = self._ranged[k]
+        if r is None:
+            footer, foot = self._footers[k]
+            r = self._ranged[k] = _RangeShard(self._remote_objs[k], footer, foot, self._client(),
+                                              self.storage_options)
+        return r
+
+    def _read(self, indices: list[int], skip: bool = False, early: bool = False) -> list[Any]:
         """The samples at ``indices`` (valid, in order) by byte ranges: the lines, one coalesced read per
-        shard, then the sidecar values they point at, one more per shard. With ``skip`` (iteration under
+        shard, then the sidecar values they point at, one more per shard; with ``early`` both from the
+        shards' downloads into the node's cache (:meth:`_early_batch`). With ``skip`` (iteration under
         ``on_error="skip"``) a bad sample is counted, logged and left out instead of raised."""
         by_shard: dict[int, list[tuple[int, int]]] = {}
         for pos, i in enumerate(indices):
             k = bisect.bisect_right(self._ends, i)
             by_shard.setdefault(k, []).append((pos, i - self._starts[k]))
 
+        for k in by_shard:
+            self._range_shard(k)
+
         def line_spans(_client: Any, k: int) -> list[tuple[int, int]]:
             offs = self._ranged[k]._offs
             return [(offs[j], offs[j + 1]) for _, j in by_shard[k]]
 
-        lines = self._read_spans(list(by_shard), line_spans)
+        lines = self._read_spans(list(by_shard), line_spans, early)
         parsed: dict[int, list[tuple[int, Any, int]]] = {}  # shard -> (position, line or its error, offset)
         refs: dict[int, list[tuple[int, int]]] = {}  # shard -> the sidecar spans its lines point at
         for k, rows in by_shard.items():
@@ -161,7 +179,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
                     continue
                 got.append((pos, obj, start))
         wanted = [k for k, spans in refs.items() if spans]
-        sides = self._read_spans(wanted, lambda _client, k: refs[k], obj=1) if wanted else {}
+        sides = self._read_spans(wanted, lambda _client, k: refs[k], early, obj=1) if wanted else {}
         out: list[Any] = [None] * len(indices)
         bad: set[int] = set()
         for k, got in parsed.items():
@@ -194,7 +212,39 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         idx = self._checked(indices)
         if self.mode == "ranges":
             return self._read(idx)
+        if self.cache_limit is None:
+            return self._early_batch(idx)
         return [self._get(i) for i in idx]
+
+    def _early_batch(self, idx: list[int]) -> list[Any]:
+        """A batch in ``mode="shards"`` with no ``cache_limit``, as :meth:`RemoteMDSDataset._early_batch`:
+        samples of shards this process has mapped or the node has cached are read from their maps, the
+        others from their shards' (and sidecars') downloads into the cache, started if need be, the parts
+        holding these samples fetched first: a batch waits for a few parts, not for every whole shard it
+        touches. The downloads go on to whole files, once per node; later batches map them."""
+        out: list[Any] = [None] * len(idx)
+        early: list[int] = []
+        downloading: dict[int, bool] = {}  # shard -> read from its downloads (decided once per batch)
+        for pos, i in enumerate(idx):
+            k = bisect.bisect_right(self._ends, i)
+            if k not in downloading:
+                downloading[k] = (self._jshards[k] is None and k not in self._complete
+                                  and not self._all_cached(k))
+                if not downloading[k]:
+                    self._complete.add(k)
+            if downloading[k]:
+                early.append(pos)
+            else:
+                out[pos] = self._get(i)
+        if early:
+            for pos, sample in zip(early, self._read([idx[pos] for pos in early], early=True)):
+                out[pos] = sample
+        return out
+
+    def _all_cached(self, k: int) -> bool:
+        client = self._client()
+        return all(client.cached(url, size, hashes=hashes, etag=etag) is not None
+                   for url, size, etag, hashes in self._remote_objs[k])
 
     def __iter__(self) -> Iterator[Any]:
         if self.mode != "ranges":

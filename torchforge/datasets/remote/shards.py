@@ -72,6 +72,7 @@ class _RemoteShards:
         self._prefetcher: tuple[int, threading.Thread, threading.Event] | None = None  # (pid, thread, stop)
         self._bypass = False  # this process reads uncached shards by ranges (see RemoteMDSDataset)
         self._complete: set[int] = set()  # shards seen cached or mapped (mode="shards", no cache_limit)
+        self._done_objects: dict[int, dict[int, str]] = {}  # shard -> its objects whose downloads an early read saw end
 
     # --- what a subclass supplies -------------------------------------------------------------------
     def _objects(self, k: int) -> list[tuple[str, int, str | None, dict[str, str] | None]]:
@@ -158,7 +159,7 @@ class _RemoteShards:
             client = clients[n % len(clients)]
             merged = _merge(sorted(set(spans_of(client, k))), RANGE_WASTE)
             if early:
-                return _Spans(merged, self._download_read(client, k, merged))
+                return _Spans(merged, self._download_read(client, k, merged, obj))
             url, _, etag, _ = self._objects(k)[obj]
             return _Spans(merged, client.get_ranges(url, merged, etag=etag, gap=0,
                                                     storage_options=self.storage_options))
@@ -168,16 +169,21 @@ class _RemoteShards:
         assert self._client_of is not None
         return dict(zip(shards, self._client_of[2].map(read, range(len(shards)), shards)))
 
-    def _download_read(self, client: Any, k: int, spans: list[tuple[int, int]]) -> list[bytes]:
-        """``spans`` of shard ``k`` read from its download into the node's cache (see
-        :meth:`RemoteMDSDataset._early_batch`); a shard found complete is mapped from then on."""
-        url, size, etag, hashes = self._objects(k)[0]
+    def _download_read(self, client: Any, k: int, spans: list[tuple[int, int]], obj: int = 0) -> list[bytes]:
+        """``spans`` of shard ``k``'s stored object ``obj`` read from its download into the node's cache
+        (see :meth:`RemoteMDSDataset._early_batch`); a shard found complete (every object of it) is mapped
+        from then on."""
+        objs = self._objects(k)
+        url, size, etag, hashes = objs[obj]
         blobs, path = client.read(url, size, spans, hashes=hashes, etag=etag, cache_limit=self.cache_limit,
                                   policy=self.cache_policy, next_use=self._next_use(k),
                                   storage_options=self.storage_options)
         if path is not None:
-            self._fetched[k] = [path]
-            self._complete.add(k)
+            done = self._done_objects.setdefault(k, {})
+            done[obj] = path
+            if len(done) == len(objs):
+                self._fetched[k] = [done[o] for o in range(len(objs))]
+                self._complete.add(k)
         return blobs
 
     # --- fetching and holding -----------------------------------------------------------------------
