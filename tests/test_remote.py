@@ -5,6 +5,7 @@ connection reset mid-body, a truncated body (fewer bytes than Content-Length), a
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import http.client
 import itertools
@@ -760,8 +761,6 @@ def test_a_jinx_first_batch_waits_for_parts_not_whole_shards_or_sidecars(env, tm
     first = ds.__getitems__(order[:16])
     assert [(int(s["id"]), s["text"], bytes(s["blob"])) for s in first] == \
         [(i, rows[i]["text"], rows[i]["blob"]) for i in order[:16]]
-    import pickle
-
     copy = pickle.loads(pickle.dumps(ds))  # for spawned workers, with the shards' indexes made for the batch
     assert [bytes(s["blob"]) for s in copy.__getitems__(order[16:20])] == [rows[i]["blob"] for i in order[16:20]]
     assert len({ds.locate(i)[0] for i in order[:16]}) >= 4  # nearly every shard touched...
@@ -777,6 +776,50 @@ def test_a_jinx_first_batch_waits_for_parts_not_whole_shards_or_sidecars(env, tm
     assert [int(s["id"]) for s in ds.__getitems__(order[:50])] == order[:50]
     assert not proxy.gets  # complete shards are mapped from the node's cache
     assert all(ds._jshards[k] is not None for k in {ds.locate(i)[0] for i in order[:50]})
+
+
+def test_a_safetensors_first_batch_waits_for_parts_not_whole_shards(env, tmp_path, monkeypatch):
+    """The same for safetensors column shards: a batch's rows (ragged columns' offsets included) come from
+    the downloads in progress; every byte is fetched once, complete shards are mapped."""
+    import torch
+
+    import torchforge
+    from torchforge.sampler import GlobalSampler
+
+    _, proxy, put = env
+    monkeypatch.setenv("TORCHFORGE_FETCH_BLOCK", str(64 * 1024))
+    monkeypatch.setenv("TORCHFORGE_FETCH_THREADS", "1")
+    g = torch.Generator().manual_seed(7)
+    local = tmp_path / "stearly"
+    expected, _ = _put_columns(put, local, "st/early", 40, (
+        {"img": torch.randint(0, 255, (40_000,), dtype=torch.uint8, generator=g),
+         "ids": torch.arange(i % 9 + 1), "y": torch.tensor(float(i))} for i in range(200)))
+    names = sorted(os.listdir(local))
+    sizes = {n: os.path.getsize(local / n) for n in names}
+    assert len(names) >= 5
+    ds = torchforge.open_dataset(f"s3://{BUCKET}/st/early", cache_dir=tmp_path / "stearly-cache",
+                                 storage_options=_via(proxy))
+    order = GlobalSampler(len(ds), seed=3).indices(0, len(ds)).tolist()
+
+    def same(samples, which):
+        return all(int(s["y"]) == i and all(torch.equal(s[c], expected[i][c]) for c in ("img", "ids"))
+                   for s, i in zip(samples, which, strict=True))
+
+    proxy.reset()
+    proxy.delay = 0.02  # per 64 KiB sent
+    assert same(ds.__getitems__(order[:16]), order[:16])
+    assert len({bisect.bisect_right(ds._ends, i) for i in order[:16]}) >= 4  # most shards touched...
+    assert proxy.bytes_sent < sum(sizes.values()) / 2  # ...none waited for whole
+    for k in range(16, len(order), 16):
+        assert same(ds.__getitems__(order[k:k + 16]), order[k:k + 16])
+    ds.prefetch(order, wait=True)
+    for name in names:  # every byte of every shard fetched exactly once
+        served = sorted(_served(proxy, f"st/early/{name}"))
+        assert served[0][0] == 0 and served[-1][1] in (sizes[name], -1), (name, served)
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(served)), (name, served)
+    proxy.reset()
+    assert same(ds.__getitems__(order[:50]), order[:50])
+    assert not proxy.gets  # complete shards are mapped from the node's cache
 
 
 def test_a_dataset_overwritten_at_its_url_is_a_new_version_never_mixed(env, tmp_path):

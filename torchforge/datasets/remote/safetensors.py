@@ -79,20 +79,47 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
     # --- mode="ranges" ------------------------------------------------------------------------------
     def __getitem__(self, i: int) -> Any:
         if self.mode == "ranges":
-            return self.__getitems__([i])[0]
+            return self._read(self._checked([i]))[0]
         return super().__getitem__(i)
 
     def _get(self, i: int) -> Any:
         if self.mode == "ranges":
-            return self.__getitems__([i])[0]
+            return self._read([i])[0]
         return super()._get(i)
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
         """A batch of samples; in ``mode="ranges"`` each sample's rows are read by byte ranges, one
-        coalesced read per shard the batch touches."""
+        coalesced read per shard the batch touches. In ``mode="shards"`` with no ``cache_limit`` the rows
+        of shards neither mapped here nor cached on the node are read the same way from the shards'
+        downloads into the cache, as their parts arrive (:meth:`RemoteMDSDataset._early_batch`)."""
         idx = self._checked(indices)
-        if self.mode != "ranges":
+        if self.mode == "ranges":
+            return self._read(idx)
+        if self.cache_limit is not None:
             return [self._get(i) for i in idx]
+        out: list[Any] = [None] * len(idx)
+        early: list[int] = []
+        downloading: dict[int, bool] = {}  # shard -> read from its download (decided once per batch)
+        for pos, i in enumerate(idx):
+            s = bisect.bisect_right(self._ends, i)
+            if s not in downloading:
+                url, size, etag, _ = self._objects(s)[0]
+                downloading[s] = (self._open.get(s) is None and s not in self._complete
+                                  and self._client().cached(url, size, etag=etag) is None)
+                if not downloading[s]:
+                    self._complete.add(s)
+            if downloading[s]:
+                early.append(pos)
+            else:
+                out[pos] = self._get(i)
+        if early:
+            for pos, sample in zip(early, self._read([idx[pos] for pos in early], early=True)):
+                out[pos] = sample
+        return out
+
+    def _read(self, idx: list[int], early: bool = False) -> list[Any]:
+        """The samples at ``idx`` (valid) by byte ranges, one coalesced read per shard; with ``early`` from
+        the shards' downloads into the node's cache."""
         by_shard: dict[int, list[tuple[int, int]]] = {}
         for pos, i in enumerate(idx):
             s = bisect.bisect_right(self._ends, i)
@@ -103,17 +130,17 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
         def spans(client: Any, s: int) -> list[tuple[int, int]]:
             for _, j in by_shard[s]:
                 for c in self._cols[s]:
-                    span_of[(s, j, c)] = self._row_span(client, s, c, j)
+                    span_of[(s, j, c)] = self._row_span(client, s, c, j, early)
             return [span_of[(s, j, c)] for _, j in by_shard[s] for c in self._cols[s]]
 
-        got = self._read_spans(list(by_shard), spans)
+        got = self._read_spans(list(by_shard), spans, early)
         out: list[Any] = [None] * len(idx)
         for s, rows in by_shard.items():
             for pos, j in rows:
                 out[pos] = {c: self._row_tensor(s, c, j, span_of[(s, j, c)], got[s]) for c in self._cols[s]}
         return out
 
-    def _row_span(self, client: Any, s: int, c: str, j: int) -> tuple[int, int]:
+    def _row_span(self, client: Any, s: int, c: str, j: int, early: bool = False) -> tuple[int, int]:
         """The bytes of sample ``j`` of column ``c`` in shard ``s``: row ``j`` of the column as a local shard
         exposes it, or a ragged column's rows ``offsets[j]:offsets[j + 1]`` (its offsets read once, one
         range, and checked as a local shard's are)."""
@@ -127,8 +154,10 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
             off = self._ragged.get((s, c))
             if off is None:
                 oi = infos[c + OFFSETS]
-                (raw,) = client.get_ranges(url, [(start + oi.start, start + oi.end)], etag=self._objects(s)[0][2],
-                                           storage_options=self.storage_options)
+                span = [(start + oi.start, start + oi.end)]
+                (raw,) = (self._download_read(client, s, span) if early
+                          else client.get_ranges(url, span, etag=self._objects(s)[0][2],
+                                                 storage_options=self.storage_options))
                 off = self._ragged[(s, c)] = check_offsets(np.frombuffer(raw, dtype="<i8"), oi.shape[0] - 1, rows,
                                                            c, url, start + oi.start)
             lo, hi = int(off[j]), int(off[j + 1])
