@@ -216,35 +216,8 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             return self._early_batch(idx)
         return [self._get(i) for i in idx]
 
-    def _early_batch(self, idx: list[int]) -> list[Any]:
-        """A batch in ``mode="shards"`` with no ``cache_limit``, as :meth:`RemoteMDSDataset._early_batch`:
-        samples of shards this process has mapped or the node has cached are read from their maps, the
-        others from their shards' (and sidecars') downloads into the cache, started if need be, the parts
-        holding these samples fetched first: a batch waits for a few parts, not for every whole shard it
-        touches. The downloads go on to whole files, once per node; later batches map them."""
-        out: list[Any] = [None] * len(idx)
-        early: list[int] = []
-        downloading: dict[int, bool] = {}  # shard -> read from its downloads (decided once per batch)
-        for pos, i in enumerate(idx):
-            k = bisect.bisect_right(self._ends, i)
-            if k not in downloading:
-                downloading[k] = (self._jshards[k] is None and k not in self._complete
-                                  and not self._all_cached(k))
-                if not downloading[k]:
-                    self._complete.add(k)
-            if downloading[k]:
-                early.append(pos)
-            else:
-                out[pos] = self._get(i)
-        if early:
-            for pos, sample in zip(early, self._read([idx[pos] for pos in early], early=True)):
-                out[pos] = sample
-        return out
-
-    def _all_cached(self, k: int) -> bool:
-        client = self._client()
-        return all(client.cached(url, size, hashes=hashes, etag=etag) is not None
-                   for url, size, etag, hashes in self._remote_objs[k])
+    def _at_hand(self, k: int) -> bool:
+        return self._jshards[k] is not None or super()._at_hand(k)
 
     def __iter__(self) -> Iterator[Any]:
         if self.mode != "ranges":

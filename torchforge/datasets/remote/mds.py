@@ -204,7 +204,7 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         """A batch of samples (torch's DataLoader calls this with a batch's indices)."""
         if self.mode != "ranges":
             if self.cache_limit is None:
-                return self._early_batch(indices)
+                return self._early_batch(self._checked(indices))
             return self._limited_batch(indices)
         return self._read(self._checked(indices))
 
@@ -217,32 +217,8 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
             yield from self._read(list(range(first, min(first + step, len(self)))))
 
     # --- mode="shards" ---------------------------------------------------------------------------------
-    def _early_batch(self, indices: list[int]) -> list[Any]:
-        """A batch in ``mode="shards"`` with no ``cache_limit``. Samples of shards this process has mapped
-        or the node has cached are read from their maps. The others are read from their shards' downloads
-        into the cache (:meth:`FetcherClient.read`: started if not in progress, the parts holding these
-        samples fetched first), so a batch waits for a few parts, not for every whole shard it touches: an
-        exactly shuffled first batch touches nearly every shard. The downloads go on to whole shards, once
-        per node, and the next batches map them once complete. Shards compressed as a whole are mapped."""
-        idx = self._checked(indices)
-        out: list[Any] = [None] * len(idx)
-        early: list[int] = []
-        downloading: dict[int, bool] = {}  # shard -> read from its download (decided once per batch)
-        for pos, i in enumerate(idx):
-            k = bisect.bisect_right(self._bounds, i) - 1
-            if k not in downloading:
-                downloading[k] = (self._shards[k] is None and self.metas[k].zip_basename is None
-                                  and k not in self._complete and self._cached(k) is None)
-                if not downloading[k]:
-                    self._complete.add(k)
-            if downloading[k]:
-                early.append(pos)
-            else:
-                out[pos] = self[i]
-        if early:
-            for pos, sample in zip(early, self._read([idx[pos] for pos in early], early=True)):
-                out[pos] = sample
-        return out
+    def _at_hand(self, k: int) -> bool:  # (shards compressed as a whole are always mapped)
+        return self._shards[k] is not None or self.metas[k].zip_basename is not None or self._cached(k) is not None
 
     # --- mode="shards" under a cache_limit ----------------------------------------------------------
     def _limited_batch(self, indices: list[int]) -> list[Any]:

@@ -91,31 +91,16 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
         """A batch of samples; in ``mode="ranges"`` each sample's rows are read by byte ranges, one
         coalesced read per shard the batch touches. In ``mode="shards"`` with no ``cache_limit`` the rows
         of shards neither mapped here nor cached on the node are read the same way from the shards'
-        downloads into the cache, as their parts arrive (:meth:`RemoteMDSDataset._early_batch`)."""
+        downloads into the cache, as their parts arrive (:meth:`_early_batch`)."""
         idx = self._checked(indices)
         if self.mode == "ranges":
             return self._read(idx)
         if self.cache_limit is not None:
             return [self._get(i) for i in idx]
-        out: list[Any] = [None] * len(idx)
-        early: list[int] = []
-        downloading: dict[int, bool] = {}  # shard -> read from its download (decided once per batch)
-        for pos, i in enumerate(idx):
-            s = bisect.bisect_right(self._ends, i)
-            if s not in downloading:
-                url, size, etag, _ = self._objects(s)[0]
-                downloading[s] = (self._open.get(s) is None and s not in self._complete
-                                  and self._client().cached(url, size, etag=etag) is None)
-                if not downloading[s]:
-                    self._complete.add(s)
-            if downloading[s]:
-                early.append(pos)
-            else:
-                out[pos] = self._get(i)
-        if early:
-            for pos, sample in zip(early, self._read([idx[pos] for pos in early], early=True)):
-                out[pos] = sample
-        return out
+        return self._early_batch(idx)
+
+    def _at_hand(self, k: int) -> bool:
+        return self._open.get(k) is not None or super()._at_hand(k)
 
     def _read(self, idx: list[int], early: bool = False) -> list[Any]:
         """The samples at ``idx`` (valid) by byte ranges, one coalesced read per shard; with ``early`` from

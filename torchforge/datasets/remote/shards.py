@@ -146,6 +146,44 @@ class _RemoteShards:
                 raise IndexError(f"index {i} out of range for {self._FORMAT} of {n} samples")
         return [i + n if i < 0 else i for i in idx]
 
+    # --- mode="shards" with no cache_limit: batches read from downloads in progress -------------------
+    def _early_batch(self, idx: list[int]) -> list[Any]:
+        """A batch (valid indices) in ``mode="shards"`` with no ``cache_limit``. Samples of shards this
+        process has mapped or the node has cached are read from their maps. The others are read by byte
+        ranges from their shards' downloads into the cache (:meth:`FetcherClient.read`: started if not in
+        progress, the parts holding these samples fetched first), so a batch waits for a few parts, not
+        for every whole shard it touches: an exactly shuffled first batch touches nearly every shard. The
+        downloads go on to whole files, once per node, and the next batches map them once complete.
+        A format gives :meth:`_shard_index`, :meth:`_at_hand` and ``_read(indices, early=True)``."""
+        out: list[Any] = [None] * len(idx)
+        early: list[int] = []
+        downloading: dict[int, bool] = {}  # shard -> read from its download (decided once per batch)
+        for pos, i in enumerate(idx):
+            k = self._shard_index(i)
+            if k not in downloading:
+                downloading[k] = k not in self._complete and not self._at_hand(k)
+                if not downloading[k]:
+                    self._complete.add(k)
+            if downloading[k]:
+                early.append(pos)
+            else:
+                out[pos] = self._get(i)
+        if early:
+            for pos, sample in zip(early, self._read([idx[pos] for pos in early], early=True)):
+                out[pos] = sample
+        return out
+
+    def _shard_index(self, i: int) -> int:
+        """The shard holding sample ``i``."""
+        return bisect.bisect_right(self._first, i) - 1
+
+    def _at_hand(self, k: int) -> bool:
+        """Whether shard ``k`` is read from a map (mapped here, or every object of it cached on the node)
+        rather than from its downloads."""
+        client = self._client()
+        return all(client.cached(url, size, hashes=hashes, etag=etag) is not None
+                   for url, size, etag, hashes in self._objects(k))
+
     # --- reading byte ranges (mode="ranges", and early reads of downloads in progress) ------------------
     def _read_spans(self, shards: list[int], spans_of: Callable[[Any, int], list[tuple[int, int]]],
                     early: bool = False, obj: int = 0) -> dict[int, _Spans]:
@@ -171,7 +209,7 @@ class _RemoteShards:
 
     def _download_read(self, client: Any, k: int, spans: list[tuple[int, int]], obj: int = 0) -> list[bytes]:
         """``spans`` of shard ``k``'s stored object ``obj`` read from its download into the node's cache
-        (see :meth:`RemoteMDSDataset._early_batch`); a shard found complete (every object of it) is mapped
+        (see :meth:`_early_batch`); a shard found complete (every object of it) is mapped
         from then on."""
         objs = self._objects(k)
         url, size, etag, hashes = objs[obj]
