@@ -665,6 +665,77 @@ def test_a_pruned_steps_files_are_written_over_by_the_next_save_never_a_linked_o
     assert os.listdir(root) == ["step-00000004"]
 
 
+def test_a_pruned_steps_file_a_reader_still_maps_or_holds_open_is_never_written_over(tmp_path, monkeypatch):
+    """A reader (an evaluation job restoring the step, here a map in this process and a descriptor held
+    by another process) still uses files of a step that keep_last prunes: the next save writes over the
+    others and leaves those alone, so the reader keeps its bytes, as it did when pruned files were
+    deleted."""
+    import hashlib
+    import mmap
+    import subprocess
+    import sys
+
+    if not _o_direct_works(tmp_path):
+        pytest.skip("the test folder's filesystem refuses O_DIRECT")
+    _small_direct_io(monkeypatch)
+    root = tmp_path / "ck"
+    ck = Checkpointer(root, keep_last=1)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 2))
+    ck.save(1, model=m, extra={"step": 1})
+    step1 = root / "step-00000001"
+    shard = next(n for n in os.listdir(step1) if n.endswith(".safetensors"))
+    other = "state.json"
+    before = {n: (step1 / n).read_bytes() for n in (shard, other)}
+    with open(step1 / shard, "rb") as f:  # mapped, its descriptor closed: the map alone holds the file
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    code = ("import hashlib, sys; f = open(sys.argv[1], 'rb'); print('open', flush=True); sys.stdin.readline(); "
+            "print(hashlib.sha256(f.read()).hexdigest(), flush=True)")  # holds the file open meanwhile
+    holder = subprocess.Popen([sys.executable, "-c", code, str(step1 / other)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        held, mapped_ino = os.stat(step1 / other).st_ino, os.stat(step1 / shard).st_ino
+        for step in (2, 3):  # 2 prunes step 1 (its files kept as spares), 3 writes over the spares
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(1)
+            ck.save(step, model=m, extra={"step": step})
+        inodes = {os.stat(root / "step-00000003" / n).st_ino for n in os.listdir(root / "step-00000003")}
+        assert mapped_ino not in inodes and held not in inodes  # left to their readers...
+        assert len(inodes) >= 3 and inodes - {mapped_ino, held}  # ...while the others were written over
+        assert mapped[:] == before[shard]  # the readers' bytes are step 1's
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == hashlib.sha256(before[other]).hexdigest()
+        ck.verify(3)
+        assert ck.restore(model=m) == {"step": 3}
+    finally:
+        holder.kill()
+        holder.wait()
+        mapped.close()
+        ck.close()
+
+
+def test_a_save_that_prunes_several_steps_keeps_one_of_them_as_spares(tmp_path, monkeypatch):
+    if not _o_direct_works(tmp_path):
+        pytest.skip("the test folder's filesystem refuses O_DIRECT")
+    _small_direct_io(monkeypatch)
+    m, _ = _fresh()
+    with Checkpointer(tmp_path / "ck", keep_last=3) as ck:
+        for step in range(3):
+            ck.save(step, model=m)
+    with Checkpointer(tmp_path / "ck", keep_last=1) as ck:  # keep_last lowered: one save prunes three steps
+        ck.save(3, model=m)
+        names = sorted(os.listdir(tmp_path / "ck"))
+        assert names[-1] == "step-00000003" and len(names) == 2 and names[0].startswith(".trash-step-00000000")
+        spares = {os.stat(tmp_path / "ck" / names[0] / n).st_ino for n in os.listdir(tmp_path / "ck" / names[0])}
+        ck.save(4, model=m)
+        assert {os.stat(tmp_path / "ck" / "step-00000004" / n).st_ino
+                for n in os.listdir(tmp_path / "ck" / "step-00000004") if n != "manifest.json"} <= spares
+    assert os.listdir(tmp_path / "ck") == ["step-00000004"]
+
+
 _KILLED_OVER_SPARES = """
 import os, signal, sys, torch
 import torchforge.checkpoint.writer as io

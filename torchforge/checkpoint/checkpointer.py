@@ -58,7 +58,9 @@ class Checkpointer:
             deletion to wait for, and no block allocation (about 20% faster on ext4). The folder then
             holds ``keep_last + 1`` steps' worth of files between saves, as it does during any save;
             :meth:`close` (or the next Checkpointer on the folder) deletes them. A file with another hard
-            link is never written over. False deletes pruned steps at once.
+            link, or that any process still has open or mapped (a reader of the pruned step), is never
+            written over: it is deleted, which leaves the reader its bytes. False deletes pruned steps
+            at once.
         timeout: under torch.distributed, how long (seconds) a rank waits for the others' part of a save
             before it raises :class:`CheckpointError` (a rank that died mid-save never hangs the others).
 
@@ -338,11 +340,12 @@ class Checkpointer:
         os.rename(folder, trash)
         fsync_dir(self.root)
         crash_point("old-step-hidden")
-        self._drop_spares()
-        if recycle and self._keep_spares(trash):
-            self._spare_dir = trash
-        else:
-            shutil.rmtree(trash, ignore_errors=True)
+        if recycle:  # these replace the spares kept before (a step pruned with others keeps them)
+            self._drop_spares()
+            if self._keep_spares(trash):
+                self._spare_dir = trash
+                return
+        shutil.rmtree(trash, ignore_errors=True)
 
     @staticmethod
     def _keep_spares(trash: str) -> bool:

@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import mmap
 import os
@@ -273,13 +274,36 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
     return entries
 
 
+def _unused(path: str) -> bool:
+    """Whether no open file refers to ``path`` (a descriptor or a map, in any process): Linux grants a write
+    lease (``F_SETLEASE``) only then. A pruned step's file that a reader still has open or mapped (an
+    evaluation job restoring it) keeps its bytes: it is deleted, which leaves them to the reader, never
+    written over. False where leases are not available (then nothing is written over)."""
+    setlease = getattr(fcntl, "F_SETLEASE", None)
+    if setlease is None:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, setlease, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, setlease, fcntl.F_UNLCK)
+        return True
+    except OSError:  # EAGAIN: open elsewhere; EINVAL: no leases on this filesystem
+        return False
+    finally:
+        os.close(fd)
+
+
 def _recycled(spare: str, path: str) -> int:
     """``spare`` moved to ``path`` and opened for O_DIRECT writes over its blocks; -1 (and nothing at
-    ``path``) where it cannot be: gone, linked from elsewhere (another name would see the new bytes),
-    not a regular file, or refused by the filesystem."""
+    ``path``) where it cannot be: gone, linked from elsewhere (another name would see the new bytes), open
+    or mapped by any process (:func:`_unused`), not a regular file, or refused by the filesystem. Nobody
+    opens it anew meanwhile: it lies in a hidden folder under a name no reader looks for."""
     try:
         st = os.lstat(spare)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or not _unused(spare):
             return -1
         os.rename(spare, path)
     except OSError:

@@ -98,12 +98,11 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
             return self._headed(client)
         pins = {u: etag for u, _, etag in listed if etag}
         index_url = f"{self.url}/{INDEX_BASENAME}"
-        listed_index = pins.get(index_url)
-        if self.version and listed_index and listed_index.strip('"') != self.version.strip('"'):
+        now = client.head(index_url, storage_options=self.storage_options).etag  # (as read: same API, same form)
+        if self.version and now != self.version:
             # overwritten between the index's read and the listing: these ETags may be the new shards'
-            raise RemoteChangedError("index.json was overwritten while the dataset opened (the listing gives "
-                                     f"ETag {listed_index}, the index read had {self.version}): open it again",
-                                     url=index_url)
+            raise RemoteChangedError(f"index.json was overwritten while the dataset opened (ETag {now} after the "
+                                     f"listing, {self.version} when read): open it again", url=index_url)
         return pins
 
     def _headed(self, client: Any) -> dict[str, str]:
