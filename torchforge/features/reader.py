@@ -50,7 +50,12 @@ class MissingIdsError(TorchforgeError, KeyError):
 
 def _items(a: np.ndarray, width: int) -> np.ndarray:
     """A C-contiguous uint8 ``(rows, width)`` array as a 1-D array of one item per row."""
-    return a.view(_ITEM.get(width) or np.dtype((np.void, width))).reshape(len(a))
+    return a.view(_item(width)).reshape(len(a))
+
+
+def _item(width: int) -> np.dtype:
+    """The numpy dtype of one ``width``-byte row: an unsigned int where one fits, else raw bytes."""
+    return _ITEM.get(width) or np.dtype((np.void, width))
 
 
 _ITEM = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
@@ -115,8 +120,7 @@ class Snapshot:
             col = self.schema[c]
             t = out[c] = collate.empty((n, *col.shape), col.dtype)
             if col.row_bytes and n:  # the output as one item per row (see _items)
-                items[c] = t.view(-1).view(torch.uint8).numpy().view(_ITEM.get(col.row_bytes)
-                                                                     or np.dtype((np.void, col.row_bytes)))
+                items[c] = t.view(-1).view(torch.uint8).numpy().view(_item(col.row_bytes))
         if self.index is not None:
             pos, found = self.index.lookup(q)
         else:

@@ -109,6 +109,16 @@ def _flock(path: str, mode: int) -> Iterator[int]:
         os.close(fd)  # closing the descriptor releases the lock
 
 
+def _remove_if_stale(entry: os.DirEntry) -> bool:
+    """Remove ``entry`` if it is a partial download of a process of this host that is gone; whether it was."""
+    tmp = _TMP.match(entry.name)
+    if tmp is None or tmp["host"] != _HOST or pid_alive(int(tmp["pid"])):
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(entry.path)
+    return True
+
+
 class ObjectCache:
     """The node-local object cache in ``cache_dir`` (default: the per-user cache folder).
 
@@ -232,11 +242,8 @@ class ObjectCache:
         objects, used = [], 0
         with os.scandir(self.objects) as it:
             for e in it:
-                tmp = _TMP.match(e.name)
-                if tmp is not None:
-                    if tmp["host"] == _HOST and not pid_alive(int(tmp["pid"])):
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(e.path)
+                if _TMP.match(e.name) is not None:
+                    if _remove_if_stale(e):
                         continue
                     with contextlib.suppress(FileNotFoundError):
                         used += e.stat().st_size
@@ -257,17 +264,14 @@ class ObjectCache:
         the reservation preallocates it), as :meth:`_scan` does under a limit."""
         with os.scandir(self.objects) as it:
             for e in it:
-                tmp = _TMP.match(e.name)
-                if tmp is not None and tmp["host"] == _HOST and not pid_alive(int(tmp["pid"])):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(e.path)
+                _remove_if_stale(e)
 
     def _reserve(self, final: str, size: int, url: str, next_use: Mapping[str, int]) -> str:
         tmp = f"{final}.tmp.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
         with _flock(os.path.join(self.root, ".accounting"), fcntl.LOCK_EX):
-            if self.limit is None:  # with a limit, _scan below removes them
+            if self.limit is None:  # (with a limit, _scan below removes them)
                 self._sweep()
-            if self.limit is not None:
+            else:
                 if size > self.limit:
                     raise CacheFullError(f"the object's {size} bytes exceed cache_limit={self.limit}", url=url)
                 objects, used = self._scan()

@@ -109,17 +109,9 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         """Every shard's ETag from a HEAD of its own (``READERS`` at a time), for a folder that cannot be
         listed: the whole dataset is pinned when it opens, so no epoch mixes shards of two versions."""
         urls = [f"{self.url}/{m.zip_basename or m.raw_basename}" for m in self.metas]
-        clients = self._clients()
-
-        def head(n: int, url: str) -> tuple[str, str | None]:
-            return url, clients[n % len(clients)].head(url, storage_options=self.storage_options).etag
-
-        if len(urls) <= 1:
-            pairs = [head(0, u) for u in urls]
-        else:
-            assert self._client_of is not None
-            pairs = list(self._client_of[2].map(head, range(len(urls)), urls))
-        return {u: etag for u, etag in pairs if etag}
+        etags = self._spread(lambda client, url: client.head(url, storage_options=self.storage_options).etag,
+                             urls) if urls else []
+        return {u: etag for u, etag in zip(urls, etags) if etag}
 
     # --- mode="ranges" ------------------------------------------------------------------------------
     def _shard_url(self, k: int) -> str:

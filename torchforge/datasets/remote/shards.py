@@ -191,10 +191,7 @@ class _RemoteShards:
         gaps cost at most ``RANGE_WASTE`` of the bytes wanted), read with one request per shard, ``READERS``
         shards at a time on their own connections: by range GETs, or with ``early`` from the shards'
         downloads into the node's cache (:meth:`_download_read`)."""
-        clients = self._clients()
-
-        def read(n: int, k: int) -> _Spans:
-            client = clients[n % len(clients)]
+        def read(client: Any, k: int) -> _Spans:
             merged = _merge(sorted(set(spans_of(client, k))), RANGE_WASTE)
             if early:
                 return _Spans(merged, self._download_read(client, k, merged, obj))
@@ -202,10 +199,17 @@ class _RemoteShards:
             return _Spans(merged, client.get_ranges(url, merged, etag=etag, gap=0,
                                                     storage_options=self.storage_options))
 
-        if len(shards) == 1:
-            return {shards[0]: read(0, shards[0])}
+        return dict(zip(shards, self._spread(read, shards)))
+
+    def _spread(self, fn: Callable[[Any, Any], Any], items: list[Any]) -> list[Any]:
+        """``fn(client, item)`` for each item, ``READERS`` at a time on their own connections (in this
+        thread for a single item); the results in order."""
+        clients = self._clients()
+        if len(items) == 1:
+            return [fn(clients[0], items[0])]
         assert self._client_of is not None
-        return dict(zip(shards, self._client_of[2].map(read, range(len(shards)), shards)))
+        return list(self._client_of[2].map(lambda n, item: fn(clients[n % len(clients)], item),
+                                           range(len(items)), items))
 
     def _download_read(self, client: Any, k: int, spans: list[tuple[int, int]], obj: int = 0) -> list[bytes]:
         """``spans`` of shard ``k``'s stored object ``obj`` read from its download into the node's cache
