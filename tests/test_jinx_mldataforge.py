@@ -32,8 +32,8 @@ def mldf_python():
     if not os.path.exists(PY):
         pytest.skip(f"MLDataForge venv {VENV} is absent: build it with tests/interop/setup_mldataforge.sh "
                     "(needs python3.12 and PyPI access)")
-    if os.path.exists(os.path.join(VENV, ".mldf-ok")):  # the setup script checked the import
-        return PY
+    # probed even after the setup script checked it: the venv links .venv's CUDA libraries, which a rebuilt or
+    # removed .venv takes away
     probe = subprocess.run([PY, "-c", "import mldataforge.jinx"], capture_output=True, text=True, check=False, timeout=300)
     if probe.returncode:
         pytest.skip(f"MLDataForge does not import in {VENV}: {probe.stderr.strip()[-300:]}")

@@ -5,10 +5,14 @@
 # MLDataForge needs Python >= 3.12. Its jinx modules import torch, orjson, numpy and (through
 # mldataforge.compression) click, isal, lz4, brotli, python-snappy and zstandard at import time, but not
 # `datasets` or `mosaicml-streaming`: those are left out (--no-deps). msgspec is torchforge's (its fast JINX
-# line parser). torch from PyPI is the large CUDA build (a few GB), so this is a separate, optional step;
-# the interop test skips when the venv is absent.
+# line parser). torch from PyPI is the CUDA build: its CUDA libraries (the nvidia-* wheels, 3.2 GB) are
+# the dev venv's, linked, when it has them (the same torch pin needs the same ones), and triton (0.9 GB,
+# imported only by torch.compile) is left out, so this venv takes 1.4 GB instead of 5.5 GB. A CI disk
+# filled up installing a second copy. Without a dev venv, torch is installed whole. This is an optional
+# step: the interop test skips when the venv is absent.
 #
-# Usage: tests/interop/setup_mldataforge.sh [VENV_DIR]   (default: .venv-mldf in the repo root)
+# Usage: tests/interop/setup_mldataforge.sh [VENV_DIR]   (default: .venv-mldf in the repo root;
+#        TORCHFORGE_VENV names the dev venv whose CUDA libraries are shared, default .venv)
 set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
 venv="${1:-$here/.venv-mldf}"
@@ -25,7 +29,22 @@ if [ -f "$venv/.mldf-ok" ]; then echo "setup_mldataforge: $venv is ready"; exit 
 "$py" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q --no-deps mldataforge==0.6.10
-"$venv/bin/python" -m pip install -q orjson msgspec numpy zstandard click isal lz4 brotli python-snappy "torch==2.14.1"
+"$venv/bin/python" -m pip install -q orjson msgspec numpy zstandard click isal lz4 brotli python-snappy
+dev="${TORCHFORGE_VENV:-$here/.venv}"
+cuda=""
+if [ -x "$dev/bin/python" ]; then
+  cuda="$("$dev/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia"
+fi
+if [ -n "$cuda" ] && [ -d "$cuda" ]; then
+  # torch's own pure-Python requirements, then torch without its CUDA wheels and triton
+  "$venv/bin/python" -m pip install -q filelock fsspec jinja2 networkx sympy typing-extensions setuptools
+  "$venv/bin/python" -m pip install -q --no-deps "torch==2.14.1"
+  site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  rm -rf "$site/nvidia"
+  ln -s "$(realpath --relative-to="$site" "$cuda")" "$site/nvidia"
+else
+  "$venv/bin/python" -m pip install -q "torch==2.14.1"
+fi
 "$venv/bin/python" -c "from mldataforge.jinx import JinxDatasetReader, JinxDatasetWriter"
 touch "$venv/.mldf-ok"
 echo "setup_mldataforge: $venv is ready"
