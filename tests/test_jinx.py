@@ -80,6 +80,22 @@ def test_fixture_sidecar_values_are_zero_copy_views():
         pytest.fail("no sidecar image found")
 
 
+def test_sidecar_arrays_view_the_map_unless_the_shard_says_copies(tmp_path):
+    """A remote dataset under a cache_limit sets zero_copy=False on its shards, so a sample's arrays do not
+    keep the shard mapped (a batch drawn from many shards would hold them all against the limit)."""
+    want = np.arange(4096, dtype=np.float32)
+    with JinxWriter(tmp_path, compression=None, binary_threshold=64) as w:
+        w.write({"a": want})
+    (path,) = [os.path.join(tmp_path, n) for n in os.listdir(tmp_path) if n.endswith(".jinx")]
+    for zero_copy in (True, False):
+        shard = JinxShard(path)
+        shard.zero_copy = zero_copy
+        got = shard.sample(0, lazy=False)["a"]
+        assert np.array_equal(got, want)
+        assert got.flags.owndata is not zero_copy, zero_copy  # a view into the sidecar's map, or its own copy
+        shard.close()
+
+
 # --- round trips ----------------------------------------------------------------------------------------
 def _check_equal(samples, ds):
     assert len(ds) == len(samples)

@@ -84,7 +84,11 @@ class JinxShard:
         num_samples: samples in the shard (as the footer says, checked against the index).
         footer: the footer's JSON object (the index excluded).
         split: the footer's split name, or None.
+        zero_copy: whether ``.npy`` values of the uncompressed sidecar view its map (the default), or are
+            copies that do not keep the shard mapped.
     """
+
+    zero_copy = True
 
     def __init__(self, path: str | os.PathLike, bin_path: str | os.PathLike | None = None) -> None:
         self.path = os.fspath(path)
@@ -385,7 +389,7 @@ class JinxShard:
                 return orjson.loads(data)
             except _JSONDecodeError as e:
                 raise self._fail(f"value of {raw_key!r} is not valid JSON ({e})", offset) from None
-        return self._deserialize(raw_key, ser, data, from_bin and not codecs, offset)
+        return self._deserialize(raw_key, ser, data, from_bin and not codecs and self.zero_copy, offset)
 
     def _text_bytes(self, raw_key: str, value: Any, offset: int) -> bytes:
         """The bytes an inline value encodes in the shard's text encoding."""

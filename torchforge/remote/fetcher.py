@@ -10,8 +10,9 @@ the main process, forked workers and spawned workers alike connect to the fetche
 
 One fetcher serves the node: its address is derived from the cache folder, so every process naming that
 folder (every rank and worker) finds the same one; whoever finds none starts it under a file lock. It
-exits when no client has been connected for :data:`IDLE_EXIT` seconds; a client whose fetcher went away
-starts a new one and asks again.
+exits when no client has been connected and no download has been in progress for :data:`IDLE_EXIT`
+seconds (a download a batch started goes on to the whole file after its readers left); a client whose
+fetcher went away starts a new one and asks again.
 
 Requests and replies are the dataclasses of :mod:`torchforge.remote.messages`; the client side is
 :mod:`torchforge.remote.client`.
@@ -483,7 +484,11 @@ def serve(cache_dir: str) -> None:
     def watchdog() -> None:
         while True:
             time.sleep(min(1.0, IDLE_EXIT / 4))
+            with server.parts.cond:
+                downloading = bool(server.parts.active)
             with server.lock:
+                if downloading:  # the idle time counts from the last download's end
+                    server.last_seen = time.monotonic()
                 idle = server.clients == 0 and time.monotonic() - server.last_seen > IDLE_EXIT
             if idle:
                 os._exit(0)

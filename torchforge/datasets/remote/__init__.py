@@ -31,7 +31,10 @@ yourself. With a ``cache_limit`` it runs at most half the limit ahead.
 
 A mapped shard is held in use until its map is gone (see ``_RemoteShards._mapped``): no eviction
 removes a file a reader maps, so the disk the cache uses is the files it can count. With a
-``cache_limit`` each process keeps at most its share of half the limit mapped.
+``cache_limit`` each process keeps at most its share of half the limit mapped, and samples are copies,
+so a batch does not hold the shards it was drawn from; when the whole shards a process downloads serve
+few samples each before the limit evicts them, it reads the samples of uncached shards by byte ranges
+instead (``_RemoteShards._limited_batch``; every format).
 
 JINX (:class:`RemoteJinxDataset`) and safetensors column shards (:class:`RemoteSafetensorsDataset`) have
 no index of the whole dataset: the folder is listed (probed over ``http(s)://``), each shard's footer or

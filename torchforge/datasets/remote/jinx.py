@@ -31,7 +31,9 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
     download per node), held in use while mapped, and read as local shards; prefetching, ``cache_limit``
     and ``cache_policy`` work as for :class:`RemoteMDSDataset`. With no ``cache_limit`` a batch does not
     wait for them whole: its samples' lines and sidecar values are read from the downloads as their parts
-    arrive (the parts it needs first), as MDS samples are.
+    arrive (the parts it needs first), as MDS samples are. With a ``cache_limit`` samples are eager and
+    their values copies by default, so a batch drawn from many shards does not keep them all mapped (as
+    MDS samples' ``zero_copy=False``).
 
     In ``mode="ranges"`` nothing is fetched whole: opening also decodes each shard's index (from the footer
     already read, or one range of the sidecar when the index lives there), and a batch is two rounds of
@@ -41,7 +43,9 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
 
     Args:
         url: the folder's URL.
-        lazy, split, on_error: as :class:`~torchforge.datasets.jinx.JinxDataset`.
+        lazy: as :class:`~torchforge.datasets.jinx.JinxDataset`; None (the default): lazy with no
+            ``cache_limit``, eager with one.
+        split, on_error: as :class:`~torchforge.datasets.jinx.JinxDataset`.
         cache_dir, cache_limit, cache_policy, storage_options: as :class:`RemoteMDSDataset`.
         mode: ``"shards"`` or ``"ranges"``.
 
@@ -51,7 +55,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         CorruptShardError: a shard's footer is not a JINX footer (names the URL and byte offset).
     """
 
-    def __init__(self, url: str, lazy: bool = True, split: str | None = None, on_error: str = "raise", *,
+    def __init__(self, url: str, lazy: bool | None = None, split: str | None = None, on_error: str = "raise", *,
                  cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
                  mode: str = "shards", cache_policy: str = "belady",
                  storage_options: Mapping[str, Any] | None = None) -> None:
@@ -59,7 +63,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             raise ValueError(f"on_error={on_error!r} is not one of ['raise', 'skip']")
         self._remote_setup(url, None, cache_dir, cache_limit, mode, cache_policy, storage_options)
         self._shards = None
-        self.lazy = lazy
+        self.lazy = self.cache_limit is None if lazy is None else lazy
         self.split = split
         self.on_error = on_error
         self.skipped = 0
@@ -117,6 +121,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         if shard.num_samples != self._counts[k] or not self._wanted(shard):
             raise FormatError(f"the shard holds {shard.num_samples} samples, its footer said {self._counts[k]} "
                               "when the dataset was opened", path=objs[0][0])
+        shard.zero_copy = self.cache_limit is None  # with a limit, a sample does not keep its shard mapped
         shard.path = objs[0][0]  # errors from now on name the URL
         shard.bin_path = objs[1][0] if len(objs) > 1 else os.path.splitext(objs[0][0])[0] + ".binx"
         self._jshards[k] = shard
@@ -214,10 +219,13 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             return self._read(idx)
         if self.cache_limit is None:
             return self._early_batch(idx)
-        return [self._get(i) for i in idx]
+        return self._limited_batch(idx)
 
     def _at_hand(self, k: int) -> bool:
         return self._jshards[k] is not None or super()._at_hand(k)
+
+    def _node_folder(self) -> str:
+        return self._folder
 
     def __iter__(self) -> Iterator[Any]:
         if self.mode != "ranges":

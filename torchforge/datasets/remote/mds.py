@@ -1,8 +1,6 @@
 """An MDS dataset at a URL: :class:`RemoteMDSDataset` (see :mod:`torchforge.datasets.remote`)."""
 from __future__ import annotations
 
-import bisect
-import contextlib
 import hashlib
 import itertools
 import logging
@@ -23,8 +21,6 @@ from torchforge.remote import RemoteAccessError, RemoteChangedError
 
 log = logging.getLogger(__name__)
 
-BYPASS_SHARE = 0.1  # whole shards downloaded serving fewer samples than this share of one: read ranges instead
-BYPASS_AFTER = 4  # dropped maps before that is judged
 
 
 class RemoteMDSDataset(_RemoteShards, MDSDataset):
@@ -196,7 +192,7 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         if self.mode != "ranges":
             if self.cache_limit is None:
                 return self._early_batch(self._checked(indices))
-            return self._limited_batch(indices)
+            return self._limited_batch(self._checked(indices))
         return self._read(self._checked(indices))
 
     def __iter__(self) -> Any:
@@ -209,66 +205,14 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
 
     # --- mode="shards" ---------------------------------------------------------------------------------
     def _at_hand(self, k: int) -> bool:  # (shards compressed as a whole are always mapped)
-        return self._shards[k] is not None or self.metas[k].zip_basename is not None or self._cached(k) is not None
+        return self._shards[k] is not None or self.metas[k].zip_basename is not None or super()._at_hand(k)
 
     # --- mode="shards" under a cache_limit ----------------------------------------------------------
-    def _limited_batch(self, indices: list[int]) -> list[Any]:
-        """A batch under a ``cache_limit``, read shard by shard (each shard this process touches is mapped
-        once for the batch, not once per sample).
+    def _ranges_ok(self) -> bool:  # a shard compressed as a whole has no sample ranges
+        return not any(m.zip_basename for m in self.metas)
 
-        When the whole shards this process downloads serve few samples each (fewer than ``BYPASS_SHARE`` of
-        a shard's samples per download, judged after ``BYPASS_AFTER`` downloads: an order with no locality,
-        such as an exact global shuffle, over a cache much smaller than the dataset, where the limit evicts
-        a shard before much of it is read), it stops downloading whole shards for a few samples: from then on a shard it has mapped or the node has
-        cached is read from its map, any other sample by its byte ranges as in ``mode="ranges"``. The
-        decision is left in the dataset's folder of the node cache, so the next epoch's workers of the
-        same training process start with it.
-        """
-        self._held_here()
-        bounds = self._bounds
-        idx = self._checked(indices)
-        by_shard: dict[int, list[int]] = {}
-        for pos, i in enumerate(idx):
-            by_shard.setdefault(bisect.bisect_right(bounds, i) - 1, []).append(pos)
-        out: list[Any] = [None] * len(idx)
-        ranged: list[int] = []
-        for k in sorted(by_shard):
-            positions = by_shard[k]
-            if self._bypass and self._shards[k] is None and self._cached(k) is None:
-                ranged += positions
-                continue
-            for pos in positions:
-                out[pos] = self[idx[pos]]
-            self._served += len(positions)
-        if ranged:
-            for pos, sample in zip(ranged, self._read([idx[pos] for pos in ranged])):
-                out[pos] = sample
-        return out
-
-    def _cached(self, k: int) -> str | None:
-        url, size, etag, hashes = self._objects(k)[0]
-        return self._client().cached(url, size, hashes=hashes, etag=etag)
-
-    def _new_process(self) -> None:
-        self._served = self._downloads = 0  # samples read from maps, whole shards downloaded: this process's
-        self._bypass = os.path.exists(self._bypass_marker())
-
-    def _on_download(self, k: int) -> None:
-        self._downloads += 1
-        before = self._downloads - 1  # what the downloads before this one served
-        if self._bypass or before < BYPASS_AFTER or any(m.zip_basename for m in self.metas):
-            return
-        if self._served / before < BYPASS_SHARE * len(self) / len(self.metas):
-            self._bypass = True
-            with contextlib.suppress(OSError):
-                open(self._bypass_marker(), "a").close()
-            log.info("%s: the whole shards this process downloaded served %.1f samples each under "
-                     "cache_limit=%d; reading uncached shards by byte ranges", self.url, self._served / before,
-                     self.cache_limit)
-
-    def _bypass_marker(self) -> str:
-        """Where the decision is left for the next workers of the same training process (their parent)."""
-        return os.path.join(self.folder, f".ranges-below-{self.cache_limit}-{os.getppid()}")
+    def _node_folder(self) -> str:
+        return self.folder
 
     def _check_file(self, m: ShardMeta) -> str:
         return ""  # fetched on first use (see _shard)

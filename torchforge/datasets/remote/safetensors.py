@@ -26,7 +26,9 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
     reads each shard's header with two small range reads (its columns and sample count), pinning every
     object's ETag; a shard is fetched whole into the node's cache on first use, held in use while mapped
     and read as a local shard (zero-copy views into its map: a sample keeps its shard mapped while it
-    lives). ``cache_limit``, ``cache_policy`` and prefetching work as for :class:`RemoteMDSDataset`. With
+    lives; with a ``cache_limit`` a sample's tensors are copies, so a batch drawn from many shards does
+    not keep them all). ``cache_limit``, ``cache_policy`` and prefetching work as for
+    :class:`RemoteMDSDataset`. With
     ``mode="ranges"`` no shard is fetched: a batch's rows are read by byte ranges, one coalesced read per
     shard it touches, into tensors of their own.
 
@@ -85,6 +87,8 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
     def _get(self, i: int) -> Any:
         if self.mode == "ranges":
             return self._read([i])[0]
+        if self.cache_limit is not None:
+            return {c: t.clone() for c, t in super()._get(i).items()}
         return super()._get(i)
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
@@ -96,11 +100,16 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
         if self.mode == "ranges":
             return self._read(idx)
         if self.cache_limit is not None:
-            return [self._get(i) for i in idx]
+            return self._limited_batch(idx)
         return self._early_batch(idx)
 
     def _at_hand(self, k: int) -> bool:
         return self._open.get(k) is not None or super()._at_hand(k)
+
+    def _node_folder(self) -> str:
+        folder = os.path.join(self._client().cache_dir, "datasets", self.version)
+        os.makedirs(folder, exist_ok=True)
+        return folder
 
     def _read(self, idx: list[int], early: bool = False) -> list[Any]:
         """The samples at ``idx`` (valid) by byte ranges, one coalesced read per shard; with ``early`` from

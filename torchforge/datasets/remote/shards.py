@@ -3,6 +3,7 @@ and held while mapped, prefetching in the sampler's order, and coalesced byte-ra
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -30,6 +31,8 @@ POLICIES = ("belady", "lru")
 NEXT_USE = 8  # shards named as "needed next" in each fetch request (Belady's rule evicts the others first)
 RANGE_WASTE = 0.1  # bytes between merged ranges, as a share of the bytes a batch reads
 READERS = 8  # shards whose ranges a process reads at once (one fetcher connection each)
+BYPASS_SHARE = 0.1  # whole shards downloaded serving fewer samples than this share of one: read ranges instead
+BYPASS_AFTER = 4  # downloads before that is judged
 
 
 class _RemoteShards:
@@ -70,7 +73,7 @@ class _RemoteShards:
         self._fetched: dict[int, list[str]] = {}  # shard -> its files in the cache, as last fetched
         self._plan: list[int] = []  # shards in the order of first use, as the last prefetch() was told
         self._prefetcher: tuple[int, threading.Thread, threading.Event] | None = None  # (pid, thread, stop)
-        self._bypass = False  # this process reads uncached shards by ranges (see RemoteMDSDataset)
+        self._bypass = False  # this process reads uncached shards by ranges (see _limited_batch)
         self._complete: set[int] = set()  # shards seen cached or mapped (mode="shards", no cache_limit)
         self._done_objects: dict[int, dict[int, str]] = {}  # shard -> its objects whose downloads an early read saw end
 
@@ -183,6 +186,72 @@ class _RemoteShards:
         client = self._client()
         return all(client.cached(url, size, hashes=hashes, etag=etag) is not None
                    for url, size, etag, hashes in self._objects(k))
+
+    # --- mode="shards" under a cache_limit: whole shards, or byte ranges once they serve few samples ---
+    def _limited_batch(self, idx: list[int]) -> list[Any]:
+        """A batch (valid indices) under a ``cache_limit``, read shard by shard (each shard this process
+        touches is mapped once for the batch, not once per sample).
+
+        When the whole shards this process downloads serve few samples each (fewer than ``BYPASS_SHARE`` of
+        a shard's samples per download, judged after ``BYPASS_AFTER`` downloads: an order with no locality,
+        such as an exact global shuffle, over a cache much smaller than the dataset, where the limit evicts
+        a shard before much of it is read), it stops downloading whole shards for a few samples: from then
+        on a shard it has mapped or the node has cached is read from its map, any other sample by its byte
+        ranges as in ``mode="ranges"``. The decision is left in the dataset's folder of the node cache, so
+        the next epoch's workers of the same training process start with it. A format gives
+        :meth:`_at_hand`, ``_read(indices)`` and :meth:`_node_folder`.
+        """
+        self._held_here()
+        by_shard: dict[int, list[int]] = {}
+        for pos, i in enumerate(idx):
+            by_shard.setdefault(self._shard_index(i), []).append(pos)
+        out: list[Any] = [None] * len(idx)
+        ranged: list[int] = []
+        for k in sorted(by_shard):
+            positions = by_shard[k]
+            if self._bypass and not self._at_hand(k):
+                ranged += positions
+                continue
+            for pos in positions:
+                out[pos] = self._get(idx[pos])
+            self._served += len(positions)
+        if ranged:
+            for pos, sample in zip(ranged, self._read([idx[pos] for pos in ranged])):
+                out[pos] = sample
+        return out
+
+    def _new_process(self) -> None:
+        """This process maps its first shard: its counts start at zero, and it reads by ranges from the
+        start if an earlier worker of the same training process decided so."""
+        self._served = self._downloads = 0  # samples read from maps, whole shards downloaded: this process's
+        self._bypass = self.cache_limit is not None and os.path.exists(self._bypass_marker())
+
+    def _on_download(self, k: int) -> None:
+        """This process's fetch of shard ``k`` downloaded it: after ``BYPASS_AFTER`` downloads, whether whole
+        shards still pay (see :meth:`_limited_batch`)."""
+        self._downloads += 1
+        before = self._downloads - 1  # what the downloads before this one served
+        if self._bypass or self.cache_limit is None or before < BYPASS_AFTER or not self._ranges_ok():
+            return
+        if self._served / before < BYPASS_SHARE * len(self) / (len(self._first) - 1):  # type: ignore[arg-type]
+            self._bypass = True
+            with contextlib.suppress(OSError):
+                open(self._bypass_marker(), "a").close()
+            log.info("%s: the whole shards this process downloaded served %.1f samples each under "
+                     "cache_limit=%d; reading uncached shards by byte ranges", self.url, self._served / before,
+                     self.cache_limit)
+
+    def _ranges_ok(self) -> bool:
+        """Whether every sample can be read by byte ranges (a format may say no)."""
+        return True
+
+    def _node_folder(self) -> str:
+        """The dataset's folder in the node's cache (keyed by its pinned version)."""
+        raise NotImplementedError
+
+    def _bypass_marker(self) -> str:
+        """Where the decision is left for the next workers of the same training process (their parent)."""
+        return os.path.join(self._node_folder(), f".ranges-below-{self.cache_limit}-{os.getppid()}")
 
     # --- reading byte ranges (mode="ranges", and early reads of downloads in progress) ------------------
     def _read_spans(self, shards: list[int], spans_of: Callable[[Any, int], list[tuple[int, int]]],
@@ -308,9 +377,6 @@ class _RemoteShards:
             self._new_process()
         return self._held[1]
 
-    def _new_process(self) -> None:
-        """This process maps its first shard (a subclass may reset its per-process state)."""
-
     def _make_room(self, held: OrderedDict[int, int], size: int) -> None:
         if self.cache_limit is None:
             return
@@ -326,9 +392,6 @@ class _RemoteShards:
             old, nbytes = held.popitem(last=False)
             self._drop(old)  # unmapped, and its hold released, once nothing uses it
             total -= nbytes
-
-    def _on_download(self, k: int) -> None:
-        """This process's fetch of shard ``k`` downloaded it (a subclass may keep count)."""
 
     def _fetch(self, client: Any, k: int, next_use: list[str]) -> list[str]:
         """Shard ``k``'s objects in the node's cache (fetched if absent): their paths."""
