@@ -561,6 +561,34 @@ def test_killed_download_leaves_nothing_used(env, limit):
     assert _objects(client) == [os.path.basename(path)]  # the stale partial file is gone
 
 
+def test_a_partial_download_of_another_pid_namespace_is_never_swept(tmp_path):
+    """Containers of one machine may share a host name and a cache folder but not their process ids: a
+    partial download named by a process of another PID namespace is left alone, whatever that pid means
+    here (fails before: the host token was the host name alone, so a pid dead here swept a live download)."""
+    import shutil
+
+    from torchforge._proc import host_name
+
+    unshare = shutil.which("unshare")
+    probe = "from torchforge._proc import host_name; print(host_name())"
+    proc = (subprocess.run([unshare, "-p", "-f", sys.executable, "-c", probe], capture_output=True, text=True,
+                           timeout=60, check=False) if unshare else None)
+    if proc is None or proc.returncode:
+        pytest.skip(f"no new PID namespace here (unshare -p: {proc and proc.stderr.strip()[-200:]})")
+    theirs, ours = proc.stdout.strip(), host_name()
+    assert theirs != ours
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # its pid is now dead here
+    cache = ObjectCache(tmp_path / "cache")
+    final = f"{'0' * 32}-shard.mds"
+    names = {who: f"{final}.tmp.{who}.{child.pid}.0123abcd" for who in (theirs, ours)}
+    for name in names.values():
+        with open(os.path.join(cache.objects, name), "wb") as f:
+            f.write(b"x" * 100)
+    cache._sweep()
+    assert sorted(os.listdir(cache.objects)) == [names[theirs]]  # ours was stale; theirs may be running
+
+
 def test_fork_after_use(env):
     client, _, put = env
     data = os.urandom(10_000)

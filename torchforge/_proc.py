@@ -12,8 +12,15 @@ __all__ = ["host_name", "pid_alive"]
 
 
 def host_name() -> str:
-    """This host's name as it appears in temporary names (letters, digits and ``_``)."""
-    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
+    """This host's name as it appears in temporary names (letters, digits and ``_``), with its PID
+    namespace where Linux tells it: containers of one machine that share a host name but not their
+    process ids (a node-local cache or checkpoint folder mounted into several) are different hosts, so a
+    pid is only ever checked where it names the same process."""
+    name = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
+    try:
+        return f"{name}_n{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return name
 
 
 def pid_alive(pid: int) -> bool:
