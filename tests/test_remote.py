@@ -1794,6 +1794,52 @@ def _put_scattered(put, tmp_path, fmt: str, rows: list[dict]) -> tuple[str, int]
     return f"s3://{BUCKET}/{fmt}/scatter", data
 
 
+def test_the_switch_to_ranges_judges_shuffled_batches_only_and_stays_with_its_dataset_object(env, tmp_path):
+    """Under a cache_limit: a sequential pass (a key pass, iteration) downloads every shard with nothing
+    served by a batch and must not switch the process to ranges; a switch made by one dataset object is
+    not another's (another split, a later run); a sidecar array comes back writable whether its shard was
+    mapped or read by ranges. Fails before: the sequential pass switched, and the switch was keyed by the
+    parent pid, so it leaked to every dataset of the folder."""
+    import numpy as np
+
+    import torchforge
+    from torchforge.formats.jinx import JinxWriter
+
+    _client, proxy, put = env
+    rows = [{"id": i, "a": np.full(300, i, np.float32)} for i in range(256)]
+    local = tmp_path / "jx-switch"
+    with JinxWriter(local, shard_size=1200, compression=None, binary_threshold=16) as w:
+        for r in rows:
+            w.write(r)
+    data = _upload_folder(put, str(local), "jx/switch")
+    url = f"s3://{BUCKET}/jx/switch"
+
+    def open_it():
+        return torchforge.open_dataset(url, cache_dir=tmp_path / "cache", cache_limit=data // 4,
+                                       storage_options=_via(proxy))
+
+    ds = open_it()
+    shards = len(ds._first) - 1
+    assert shards >= 12
+    assert [int(s["id"]) for s in ds] == list(range(256))  # every shard downloaded, in order
+    assert ds._downloads == 0 and not ds._bypass  # not judged: no batch asked
+    order = np.random.default_rng(0).permutation(256).tolist()
+    for b in range(0, 256, 8):  # shuffled batches of a cache a quarter of the data: whole shards do not pay
+        got = ds.__getitems__(order[b:b + 8])
+        assert [int(s["id"]) for s in got] == order[b:b + 8]
+    assert ds._bypass and os.path.exists(ds._bypass_marker())
+    other = open_it()  # another dataset object of the same folder (another split, another run)
+    other._held_here()
+    assert not other._bypass
+    again = pickle.loads(pickle.dumps(ds))  # the next epoch's workers of the same object
+    again._held_here()
+    assert again._bypass
+    ranged = ds._read([5])[0]["a"]  # (shard 0 is not mapped any more or never was: read by ranges)
+    mapped = other._get(5)["a"]
+    for a in (ranged, mapped):
+        assert a.flags.writeable and np.array_equal(a, rows[5]["a"])
+
+
 @pytest.mark.parametrize("fmt", ["mds", "jinx", "safetensors"])
 def test_an_order_without_locality_under_a_small_cache_reads_ranges_instead_of_refetching_shards(env, tmp_path,
                                                                                                  monkeypatch, fmt):

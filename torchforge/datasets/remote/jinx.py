@@ -89,8 +89,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
                 objs.append((side[0], side[1], side[2], None))
             kept.append((objs, count, shard_split))
             self._footers.append((footer, foot))
-            self._ranged.append(_RangeShard(objs, footer, foot, client, self.storage_options)
-                                if mode == "ranges" else None)
+            self._ranged.append(self._ranges_of(objs, footer, foot, client) if mode == "ranges" else None)
         self.shard_splits = [shard_split for _, _, shard_split in kept]  # from the footers
         self._remote_objs = [objs for objs, _, _ in kept]
         self._counts = [count for _, count, _ in kept]
@@ -142,8 +141,12 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         r = self._ranged[k]
         if r is None:
             footer, foot = self._footers[k]
-            r = self._ranged[k] = _RangeShard(self._remote_objs[k], footer, foot, self._client(),
-                                              self.storage_options)
+            r = self._ranged[k] = self._ranges_of(self._remote_objs[k], footer, foot, self._client())
+        return r
+
+    def _ranges_of(self, objs: list[Any], footer: dict, foot: int, client: Any) -> _RangeShard:
+        r = _RangeShard(objs, footer, foot, client, self.storage_options)
+        r.zero_copy = self.cache_limit is None  # as a mapped shard's: sidecar arrays are copies under a limit
         return r
 
     def _read(self, indices: list[int], skip: bool = False, early: bool = False) -> list[Any]:

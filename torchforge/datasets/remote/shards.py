@@ -11,6 +11,7 @@ import mmap
 import operator
 import os
 import threading
+import uuid
 import warnings
 import weakref
 from collections import OrderedDict
@@ -74,6 +75,8 @@ class _RemoteShards:
         self._plan: list[int] = []  # shards in the order of first use, as the last prefetch() was told
         self._prefetcher: tuple[int, threading.Thread, threading.Event] | None = None  # (pid, thread, stop)
         self._bypass = False  # this process reads uncached shards by ranges (see _limited_batch)
+        self._judging = False  # a _limited_batch is fetching: its downloads count toward the switch
+        self._bypass_token = uuid.uuid4().hex  # names the switch's marker: this dataset object's workers only
         self._complete: set[int] = set()  # shards seen cached or mapped (mode="shards", no cache_limit)
         self._done_objects: dict[int, dict[int, str]] = {}  # shard -> its objects whose downloads an early read saw end
 
@@ -197,11 +200,20 @@ class _RemoteShards:
         such as an exact global shuffle, over a cache much smaller than the dataset, where the limit evicts
         a shard before much of it is read), it stops downloading whole shards for a few samples: from then
         on a shard it has mapped or the node has cached is read from its map, any other sample by its byte
-        ranges as in ``mode="ranges"``. The decision is left in the dataset's folder of the node cache, so
-        the next epoch's workers of the same training process start with it. A format gives
-        :meth:`_at_hand`, ``_read(indices)`` and :meth:`_node_folder`.
+        ranges as in ``mode="ranges"``. Only the downloads of these batches count (a sequential pass, such
+        as a key pass or ``__iter__``, serves its shards whole and is not judged). The decision is left in
+        the dataset's folder of the node cache under a name drawn when the dataset object was made, so the
+        next epoch's workers of this dataset object start with it, and no other dataset, split or later
+        run does. A format gives :meth:`_at_hand`, ``_read(indices)`` and :meth:`_node_folder`.
         """
         self._held_here()
+        self._judging = True
+        try:
+            return self._limited_read(idx)
+        finally:
+            self._judging = False
+
+    def _limited_read(self, idx: list[int]) -> list[Any]:
         by_shard: dict[int, list[int]] = {}
         for pos, i in enumerate(idx):
             by_shard.setdefault(self._shard_index(i), []).append(pos)
@@ -229,6 +241,8 @@ class _RemoteShards:
     def _on_download(self, k: int) -> None:
         """This process's fetch of shard ``k`` downloaded it: after ``BYPASS_AFTER`` downloads, whether whole
         shards still pay (see :meth:`_limited_batch`)."""
+        if not self._judging:
+            return
         self._downloads += 1
         before = self._downloads - 1  # what the downloads before this one served
         if self._bypass or self.cache_limit is None or before < BYPASS_AFTER or not self._ranges_ok():
@@ -250,8 +264,8 @@ class _RemoteShards:
         raise NotImplementedError
 
     def _bypass_marker(self) -> str:
-        """Where the decision is left for the next workers of the same training process (their parent)."""
-        return os.path.join(self._node_folder(), f".ranges-below-{self.cache_limit}-{os.getppid()}")
+        """Where the decision is left for the next workers of this dataset object (an empty file)."""
+        return os.path.join(self._node_folder(), f".ranges-{self._bypass_token}")
 
     # --- reading byte ranges (mode="ranges", and early reads of downloads in progress) ------------------
     def _read_spans(self, shards: list[int], spans_of: Callable[[Any, int], list[tuple[int, int]]],
