@@ -220,6 +220,22 @@ def test_worker_info_inside_workers():
     assert ours == theirs  # same worker ids, counts and seeds (base seed + worker id) for the same batches
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_workers_run_as_batch_jobs_and_the_main_process_keeps_its_policy():
+    """A worker is scheduled as a batch job, so one woken by its next task does not preempt the training
+    process that sent it; the main process's policy is untouched."""
+    class Policy(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return os.sched_getscheduler(0)
+
+    mine = os.sched_getscheduler(0)
+    assert list(DataLoader(Policy(), batch_size=None, num_workers=2)) == [os.SCHED_BATCH] * 4
+    assert os.sched_getscheduler(0) == mine
+
+
 def test_iterable_shards_with_torchforges_loader():
     data = list(range(50))
     want = [b.tolist() for b in TorchLoader(IterableShards(data, GlobalSampler(50, seed=2), block_size=8),

@@ -3,7 +3,9 @@ supervises it (see :mod:`torchforge.loader.messages` for the protocol).
 
 A worker starts as torch's does: fatal-signal handlers, one torch thread, ``random`` and torch seeded
 with ``base_seed + worker_id`` and numpy with torch's ``_generate_state(base_seed, worker_id)``,
-``torch.utils.data.get_worker_info()`` set, then ``worker_init_fn(worker_id)``. An exception there (or
+``torch.utils.data.get_worker_info()`` set, then ``worker_init_fn(worker_id)``; on Linux it runs as a
+batch job (``SCHED_BATCH``, same priority), so a worker woken by its next task does not preempt the
+training process that sent it (``worker_init_fn`` may set another policy). An exception there (or
 in a dataset's ``__iter__``) is reported with the first task, as torch does. A worker exits on its own
 when the main process disappears (it polls ``getppid``) and ignores SIGINT (the main process owns
 Ctrl-C and shuts the pool down).
@@ -71,6 +73,7 @@ def _worker_main(wid: int, conn: Any, spec: WorkerSpec, parent: int) -> None:
     gc.freeze()
     torch.set_num_threads(1)
     _keep_freed_memory()
+    _batch_scheduling()
     seed = spec.base_seed + wid
     random.seed(seed)
     torch.manual_seed(seed)
@@ -126,6 +129,16 @@ def _worker_main(wid: int, conn: Any, spec: WorkerSpec, parent: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _batch_scheduling() -> None:
+    """Linux: schedule this worker as a batch job (``SCHED_BATCH``, the same priority): a worker woken by
+    its next task no longer preempts the training process that sent it, which otherwise pays the switch
+    inside its ``write``."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
 
 
 def _keep_freed_memory() -> None:
