@@ -26,6 +26,13 @@ if [ -z "$py" ]; then
 fi
 if [ -z "$py" ]; then echo "setup_mldataforge: no python3.12 found (set PYTHON312)" >&2; exit 1; fi
 if [ -f "$venv/.mldf-ok" ]; then echo "setup_mldataforge: $venv is ready"; exit 0; fi
+# Room first: filling the disk here would fail every test after it (the interop tests only skip).
+need_mb="${MLDF_NEED_MB:-4000}"
+free_mb="$(df -Pm "$(dirname "$venv")" | awk 'NR == 2 {print $4}')"
+if [ -n "$free_mb" ] && [ "$free_mb" -lt "$need_mb" ]; then
+  echo "setup_mldataforge: only ${free_mb} MB free beside $venv, ${need_mb} MB wanted: not building it" >&2
+  exit 1
+fi
 "$py" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q --no-deps mldataforge==0.6.10
