@@ -105,8 +105,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         self._jshards: list[JinxShard | None] = [None] * len(self._remote_objs)
         pinned = json.dumps(sorted((u, n, e) for u, n, e in listed.values()))
         self.version = hashlib.sha256(pinned.encode()).hexdigest()[:32]  # every object's ETag and size
-        self._folder = os.path.join(client.cache_dir, "datasets", self.version)
-        os.makedirs(self._folder, exist_ok=True)
+        self._folder = self._node_folder()
 
     # --- _RemoteShards ------------------------------------------------------------------------------
     def _objects(self, k: int) -> list[tuple[str, int, str | None, dict[str, str] | None]]:
@@ -226,9 +225,6 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
 
     def _at_hand(self, k: int) -> bool:
         return self._jshards[k] is not None or super()._at_hand(k)
-
-    def _node_folder(self) -> str:
-        return self._folder
 
     def __iter__(self) -> Iterator[Any]:
         if self.mode != "ranges":

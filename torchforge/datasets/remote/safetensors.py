@@ -106,11 +106,6 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
     def _at_hand(self, k: int) -> bool:
         return self._open.get(k) is not None or super()._at_hand(k)
 
-    def _node_folder(self) -> str:
-        folder = os.path.join(self._client().cache_dir, "datasets", self.version)
-        os.makedirs(folder, exist_ok=True)
-        return folder
-
     def _read(self, idx: list[int], early: bool = False) -> list[Any]:
         """The samples at ``idx`` (valid) by byte ranges, one coalesced read per shard; with ``early`` from
         the shards' downloads into the node's cache."""

@@ -204,7 +204,7 @@ class _RemoteShards:
         as a key pass or ``__iter__``, serves its shards whole and is not judged). The decision is left in
         the dataset's folder of the node cache under a name drawn when the dataset object was made, so the
         next epoch's workers of this dataset object start with it, and no other dataset, split or later
-        run does. A format gives :meth:`_at_hand`, ``_read(indices)`` and :meth:`_node_folder`.
+        run does. A format gives :meth:`_at_hand` and ``_read(indices)``.
         """
         self._held_here()
         self._judging = True
@@ -245,7 +245,7 @@ class _RemoteShards:
             return
         self._downloads += 1
         before = self._downloads - 1  # what the downloads before this one served
-        if self._bypass or self.cache_limit is None or before < BYPASS_AFTER or not self._ranges_ok():
+        if self._bypass or before < BYPASS_AFTER or not self._ranges_ok():
             return
         if self._served / before < BYPASS_SHARE * len(self) / (len(self._first) - 1):  # type: ignore[arg-type]
             self._bypass = True
@@ -260,8 +260,10 @@ class _RemoteShards:
         return True
 
     def _node_folder(self) -> str:
-        """The dataset's folder in the node's cache (keyed by its pinned version)."""
-        raise NotImplementedError
+        """The dataset's folder in the node's cache, keyed by its pinned version (made if absent)."""
+        folder = os.path.join(self._client().cache_dir, "datasets", self.version)
+        os.makedirs(folder, exist_ok=True)
+        return folder
 
     def _bypass_marker(self) -> str:
         """Where the decision is left for the next workers of this dataset object (an empty file)."""
