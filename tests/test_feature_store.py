@@ -311,6 +311,36 @@ def test_wide_column_streams_to_its_shard_from_any_input_and_the_files_stay_plai
         assert np.array_equal(got[k].numpy(), v), k
 
 
+def test_the_stream_column_is_written_in_pieces_that_end_on_2_mib_file_offsets(tmp_path, monkeypatch):
+    # a page-cache folio is as large as the write that fills it: whole 2 MiB pieces become huge pages,
+    # which a reader's random rows reach through one TLB entry
+    store = FeatureStore(tmp_path / "fs", WIDE, create=True)
+    w = store.writer(shard_size="1GiB")
+    writes, real = [], os.pwritev
+
+    def pwritev(fd, views, offset):
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        n = real(fd, views, offset)
+        writes.append((name, offset, n))
+        return n
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    ids = np.random.default_rng(1).permutation(70_000).astype(np.int64)
+    for k in range(0, len(ids), 7_000):  # 7,000 rows of 128 bytes: no call ends on a boundary
+        rows = _wide(ids[k:k + 7_000])
+        w.write(ids[k:k + 7_000], **rows)
+        rows["emb"].fill(0)  # the caller reuses its buffer: held bytes were copied
+    streamed = [(o, n) for name, o, n in writes if "/shards/" in name]
+    w.commit()
+    assert len(streamed) >= 4
+    for o, n in streamed:
+        assert (o + n) % (2 << 20) == 0 and n <= 4 << 20, (o, n)
+    q = np.random.default_rng(2).choice(ids, 5_000)
+    got = store.get(q)
+    for k, v in _wide(q).items():
+        assert np.array_equal(got[k].numpy(), v), k
+
+
 def test_abort_removes_the_shard_being_streamed(tmp_path):
     store = FeatureStore(tmp_path / "fs", WIDE, create=True)
     w = store.writer()
