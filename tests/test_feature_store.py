@@ -504,6 +504,32 @@ def test_lying_index_raises_corrupt_shard_error_not_an_out_of_bounds_read(tmp_pa
                 FeatureStore(written.path).get(batch)
 
 
+def test_lying_index_over_several_shards_is_caught_before_a_row_past_its_shard_is_read(tmp_path):
+    # the shards lie side by side in one address range: a row one past its shard's end would read
+    # the padding or the next shard's bytes, so every row is checked against its own shard's count
+    from torchforge.features.index import write_index
+
+    store = FeatureStore(tmp_path / "fs", WIDE, create=True)
+    for k in range(2):
+        with store.writer() as w:
+            w.write(np.arange(k * 50, k * 50 + 50), **_wide(np.arange(k * 50, k * 50 + 50)))
+    m = store._snap.manifest
+    assert [e.rows for e in m.shards] == [50, 50]
+    assert int(store.get(np.arange(100))["emb"][:, 0].sum()) == int(_wide(np.arange(100))["emb"][:, 0].sum())
+    index = os.path.join(store.path, m.index.file)
+    ids = np.arange(100)
+    for lie_shard in (0, 1):
+        sh = np.repeat(np.arange(2, dtype=np.int32), 50)
+        rw = np.tile(np.arange(50), 2)
+        rw[lie_shard * 50 + 7] = 50  # one past the end of its shard
+        write_index(index, ids, sh, rw)
+        assert os.path.getsize(index) == m.index.bytes  # the manifest's size still holds; get checks no digest
+        for batch in ([lie_shard * 50 + 7], list(range(100)) * 3):
+            with pytest.raises(CorruptShardError, match=f"row 50 of shard {lie_shard}"):
+                FeatureStore(store.path).get(batch)
+        assert FeatureStore(store.path).get([lie_shard * 50 + 6])["loss"].item() == (lie_shard * 50 + 6) * 0.25
+
+
 # --- loader, shared memory, join -----------------------------------------------------------------
 class _Recorder:
     def __init__(self):

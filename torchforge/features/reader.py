@@ -12,21 +12,30 @@ Every copy is one ``np.take`` per column over the mapped column viewed as one it
 for a 4-byte row, ``V512`` for a 512-byte one): a single vectorised gather, with ``mode="clip"`` since
 the rows are checked already (the default mode buffers the whole output to stay atomic). numpy runs
 it on the calling thread; torch's ``index_select`` would fan out to its intra-op threads, which on a
-busy machine makes it many times slower, not faster. Rows of one shard go straight into the output
-when the whole batch lies in that shard; otherwise each shard's rows are taken together into a
-scratch block (in shard order) and one more take puts them in the batch's order.
+busy machine makes it many times slower, not faster.
+
+A batch's rows lie in many shards (every commit adds some), and one take needs one array. So the
+shards of a version are mapped side by side in one reserved range of addresses (:class:`_Region`),
+each at its own slot on a 2 MiB boundary (the huge pages the writer lays out stay huge pages here):
+a column is then one array of row items over the whole range, and a row's item number is its shard's
+first item for that column plus its row. The rows go straight into the output in the batch's order.
+A column whose rows do not start on a multiple of its row width in some shard (an odd width such as
+3 bytes) takes the other way for the batches that touch that shard: each shard's rows are taken
+together into a scratch block (in shard order) and one more take puts them in the batch's order.
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from torchforge._vmem import map_at, reserve, unmap_with
 from torchforge.errors import CorruptShardError, TorchforgeError
 from torchforge.features.index import IdIndex
 from torchforge.features.layout import Manifest, Schema, ShardEntry
@@ -36,6 +45,7 @@ from torchforge.loader import collate
 __all__ = ["MissingIdsError", "Snapshot"]
 
 _SHOWN = 10  # missing ids named in an error message
+_HUGE = 2 << 20  # shard slots in a _Region start on multiples of this
 
 
 class MissingIdsError(TorchforgeError, KeyError):
@@ -63,9 +73,11 @@ _ITEM = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 
 
 class _Shard:
     """One shard mapped: ``cols[name]`` is a 1-D numpy array of the column, one item per row (see
-    :func:`_items`); None for a column of empty rows."""
+    :func:`_items`); None for a column of empty rows. ``place`` (a snapshot's) maps the file into the
+    snapshot's :class:`_Region` and returns its bytes there; without it the shard gets its own map."""
 
-    def __init__(self, root: str, entry: ShardEntry, schema: Schema):
+    def __init__(self, root: str, entry: ShardEntry, schema: Schema,
+                 place: Callable[[int, int, str], np.ndarray] | None = None):
         path = os.path.join(root, entry.file)
         self.path = path
         if not os.path.isfile(path):
@@ -76,9 +88,13 @@ class _Shard:
                 raise CorruptShardError(f"the shard has {size} bytes, the manifest says {entry.bytes} "
                                         f"({'truncated' if size < entry.bytes else 'grown'})", path=path,
                                         offset=min(size, entry.bytes))
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        n, infos, _ = parse_header(memoryview(self._mm), size, path)
+            if place is None:
+                buf = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
+            else:
+                buf = place(f.fileno(), size, path)
+        n, infos, _ = parse_header(memoryview(buf), size, path)
         self.rows = entry.rows
+        self.offsets: dict[str, int] = {}  # file offset of each column's first row
         want = {"id": ("I64", (entry.rows,), 8)}
         want.update({c: (col.code, (entry.rows, *col.shape), col.row_bytes) for c, col in schema.items()})
         self.cols: dict[str, np.ndarray | None] = {}
@@ -87,9 +103,40 @@ class _Shard:
             if info is None or info.dtype != code or info.shape != shape:
                 raise CorruptShardError(f"tensor {name!r} should be {code} {list(shape)} (manifest rows and "
                                         f"schema), the shard has {info}", path=path, offset=8)
+            at = self.offsets[name] = 8 + n + info.start
             count = info.end - info.start
-            self.cols[name] = _items(np.frombuffer(self._mm, np.uint8, count, 8 + n + info.start).reshape(
-                entry.rows, width), width) if count else None
+            self.cols[name] = _items(buf[at:at + count].reshape(entry.rows, width), width) if count else None
+
+
+class _Region:
+    """The shards of a version side by side in one reserved range of addresses: shard ``k`` is mapped
+    (read-only, when first opened) at ``base + slots[k]``, a multiple of 2 MiB. ``column(width)`` is
+    the whole range as one array of ``width``-byte items. Addresses of shards not opened are reserved
+    but unmapped; a row is only read after the shard is opened and the row checked against its count.
+    The range is unmapped when the last array over it is garbage collected."""
+
+    def __init__(self, sizes: list[int]):
+        self.slots = [0]
+        for size in sizes:
+            self.slots.append(self.slots[-1] + -(-size // _HUGE) * _HUGE)
+        self.size = self.slots.pop()
+        self.base, raw, raw_size = reserve(self.size, _HUGE)
+        buf = (ctypes.c_uint8 * self.size).from_address(self.base)
+        unmap_with(buf, raw, raw_size)
+        self._bytes = np.frombuffer(buf, np.uint8)
+        self._bytes.flags.writeable = False
+        self._columns: dict[int, np.ndarray] = {}
+
+    def place(self, k: int, fd: int, size: int, path: str) -> np.ndarray:
+        """Map shard ``k``'s file (``size`` bytes) at its slot; returns its bytes there."""
+        map_at(self.base + self.slots[k], size, mmap.PROT_READ, mmap.MAP_SHARED, fd, path)
+        return self._bytes[self.slots[k]:self.slots[k] + size]
+
+    def column(self, width: int) -> np.ndarray:
+        a = self._columns.get(width)
+        if a is None:
+            a = self._columns[width] = _items(self._bytes[:self.size - self.size % width].reshape(-1, width), width)
+        return a
 
 
 class Snapshot:
@@ -105,12 +152,25 @@ class Snapshot:
         if manifest is not None and manifest.index is not None:
             m = manifest.index
             self.index = IdIndex(os.path.join(root, m.file), m.rows, m.bytes)
-        self._shards: list[_Shard | None] = [None] * (len(manifest.shards) if manifest else 0)
+        count = len(manifest.shards) if manifest else 0
+        self._shards: list[_Shard | None] = [None] * count
+        self._region = _Region([e.bytes for e in manifest.shards]) if count else None
+        self._opened = np.zeros(count, bool)
+        self._rows_of = np.zeros(count, np.int64)  # rows of each opened shard
+        # per column: the region item number of each opened shard's first row, -1 where it is not one
+        self._first = {c: np.full(count, -1, np.int64) for c, col in schema.items() if col.row_bytes}
 
     def shard(self, k: int) -> _Shard:
         s = self._shards[k]
         if s is None:
-            s = self._shards[k] = _Shard(self.root, self.manifest.shards[k], self.schema)
+            s = _Shard(self.root, self.manifest.shards[k], self.schema,
+                       lambda fd, size, path: self._region.place(k, fd, size, path))
+            for c, first in self._first.items():
+                at, width = self._region.slots[k] + s.offsets[c], self.schema[c].row_bytes
+                first[k] = at // width if at % width == 0 else -1
+            self._rows_of[k] = s.rows
+            self._opened[k] = True
+            self._shards[k] = s
         return s
 
     def gather(self, q: np.ndarray, columns: list[str], missing: Any) -> dict[str, torch.Tensor]:
@@ -143,35 +203,40 @@ class Snapshot:
     def _copy(self, pos: np.ndarray, hit: np.ndarray | None, items: dict[str, np.ndarray]) -> None:
         sh = np.take(self.index.shard, pos, mode="clip")  # pos < len(index), from lookup
         rw = np.take(self.index.row, pos, mode="clip")
-        if len(self._shards) == 1:  # (one reduction: a negative shard number is a huge unsigned one)
-            k_lo = k_hi = 0
-            if int(sh.view(np.uint32).max()) != 0:
-                raise CorruptShardError(f"the index names shard {int(sh[sh != 0][0])}; the manifest lists 1",
-                                        path=self.index.path)
-        else:
-            k_lo, k_hi = int(sh.min()), int(sh.max())
-            if k_lo < 0 or k_hi >= len(self._shards):
-                raise CorruptShardError(f"the index names shard {k_lo if k_lo < 0 else k_hi}; the manifest lists "
-                                        f"{len(self._shards)}", path=self.index.path)
-        if k_lo == k_hi:  # one shard: rows go straight into the output
-            self._check_rows(k_lo, rw)
-            cols = self.shard(k_lo).cols
-            for c, dst in items.items():
-                if hit is None:
-                    np.take(cols[c], rw, out=dst, mode="clip")
-                else:
-                    dst[hit] = np.take(cols[c], rw, mode="clip")
-            return
-        # several shards: take each shard's rows together (in shard order), then put them in place
-        order = np.argsort(sh.astype(np.int16) if k_hi < 2**15 else sh, kind="stable")
+        count = len(self._shards)
+        if int(sh.view(np.uint32).max()) >= count:  # (one reduction: a negative number is a huge unsigned one)
+            bad = int(sh[(sh < 0) | (sh >= count)][0])
+            raise CorruptShardError(f"the index names shard {bad}; the manifest lists {count}", path=self.index.path)
+        opened = np.take(self._opened, sh)
+        if not opened.all():
+            for k in np.unique(sh[~opened]).tolist():
+                self.shard(k)
+        if (rw.view(np.uint64) >= np.take(self._rows_of, sh).view(np.uint64)).any():
+            for k in np.unique(sh).tolist():
+                self._check_rows(k, rw[sh == k])
+        grouped = {}
+        for c, dst in items.items():
+            at = np.take(self._first[c], sh)
+            if int(at.min()) < 0:  # not aligned in some shard: see the module's docstring
+                grouped[c] = dst
+                continue
+            at += rw
+            col = self._region.column(dst.itemsize)
+            if hit is None:
+                np.take(col, at, out=dst, mode="clip")
+            else:
+                dst[hit] = np.take(col, at, mode="clip")
+        if grouped:
+            self._copy_grouped(sh, rw, hit, grouped)
+
+    def _copy_grouped(self, sh: np.ndarray, rw: np.ndarray, hit: np.ndarray | None,
+                      items: dict[str, np.ndarray]) -> None:
+        """Each shard's rows taken together (in shard order), then put in the batch's order."""
+        order = np.argsort(sh.astype(np.int16) if len(self._shards) <= 2**15 else sh, kind="stable")
         sh_sorted = sh[order]
         rw_sorted = rw[order]
         cuts = [0, *(np.flatnonzero(sh_sorted[1:] != sh_sorted[:-1]) + 1).tolist(), len(order)]
-        groups = []
-        for a, b in itertools.pairwise(cuts):
-            k = int(sh_sorted[a])
-            self._check_rows(k, rw_sorted[a:b])
-            groups.append((self.shard(k).cols, a, b))
+        groups = [(self.shard(int(sh_sorted[a])).cols, a, b) for a, b in itertools.pairwise(cuts)]
         inv = np.empty(len(order), np.int64)
         inv[order] = np.arange(len(order))
         for c, dst in items.items():

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import ctypes.util
 import itertools
 import logging
 import mmap
@@ -34,6 +33,8 @@ import weakref
 from collections.abc import Callable
 
 import numpy as np
+
+from torchforge._vmem import map_at, unmap_with
 
 __all__ = ["ALIGN", "Arena", "HeapArena", "SlabPool", "SlabWriter"]
 
@@ -314,25 +315,15 @@ class SlabWriter:
         self._open.clear()
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-
-
 def _map_shared(fd: int, size: int) -> ctypes.Array:
     """The main process's mapping of a slab, as a ctypes byte array unmapped when its last view dies.
 
     Not ``mmap.mmap``: CPython's mmap keeps a duplicate of the descriptor for as long as the map
     lives, so every batch a user holds would hold a descriptor too.
     """
-    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    if addr is None or addr == ctypes.c_void_p(-1).value:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap of a {size}-byte slab failed: {os.strerror(err)}")
+    addr = map_at(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, "a slab")
     arr = (ctypes.c_uint8 * size).from_address(addr)
-    # never at interpreter exit: something may still read the batch then (the process's end unmaps it)
-    weakref.finalize(arr, _libc.munmap, addr, size).atexit = False
+    unmap_with(arr, addr, size)
     return arr
 
 
