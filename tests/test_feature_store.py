@@ -341,6 +341,38 @@ def test_the_stream_column_is_written_in_pieces_that_end_on_2_mib_file_offsets(t
         assert np.array_equal(got[k].numpy(), v), k
 
 
+def test_a_write_that_fails_midway_leaves_the_shard_as_it_was_and_the_writer_can_go_on(tmp_path, monkeypatch):
+    import errno
+
+    from torchforge.features.inspect import verify_store
+
+    store = FeatureStore(tmp_path / "fs", WIDE, create=True)
+    w = store.writer(shard_size="1GiB")
+    real, calls = os.pwritev, {"n": 0, "fail": {2}}
+
+    def pwritev(fd, views, offset):
+        calls["n"] += 1
+        if calls["n"] in calls["fail"]:
+            real(fd, views[:1], offset)  # part of it reached the file, then the disk filled up
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    a, b, c = np.arange(0, 20_000), np.arange(20_000, 60_000), np.arange(60_000, 70_000)
+    w.write(a, **_wide(a))  # 2.5 MiB of 128-byte rows: one piece written, the rest held
+    with pytest.raises(OSError, match="injected") as failed:
+        w.write(b, **_wide(b))  # 5 MiB more: its second piece fails after the first went out
+    w.write(b, **_wide(b))  # the same rows again, while the error (and its traceback) is still alive
+    del failed
+    w.write(c, **_wide(c))
+    assert w.commit() == 1
+    assert verify_store(store.path) == (70_000, [])
+    q = np.random.default_rng(3).permutation(70_000)
+    got = store.get(q)
+    for k, v in _wide(q).items():
+        assert np.array_equal(got[k].numpy(), v), k
+
+
 def test_abort_removes_the_shard_being_streamed(tmp_path):
     store = FeatureStore(tmp_path / "fs", WIDE, create=True)
     w = store.writer()
@@ -528,6 +560,44 @@ def test_lying_index_over_several_shards_is_caught_before_a_row_past_its_shard_i
             with pytest.raises(CorruptShardError, match=f"row 50 of shard {lie_shard}"):
                 FeatureStore(store.path).get(batch)
         assert FeatureStore(store.path).get([lie_shard * 50 + 6])["loss"].item() == (lie_shard * 50 + 6) * 0.25
+
+
+def test_a_manifest_lying_about_a_shard_size_fails_that_shard_only(tmp_path):
+    # the shards' address range is reserved from the manifest's sizes at open: a size too large to
+    # reserve must not keep the store from opening, nor verify from reporting
+    from torchforge.features.inspect import verify_store
+
+    store = FeatureStore(tmp_path / "fs", WIDE, create=True)
+    for k in range(2):
+        with store.writer() as w:
+            w.write(np.arange(k * 10, k * 10 + 10), **_wide(np.arange(k * 10, k * 10 + 10)))
+    path = os.path.join(store.path, "versions", "v-00000002.json")
+    with open(path) as f:
+        doc = json.load(f)
+    doc["shards"][0]["bytes"] = 2**62
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    lied = FeatureStore(store.path)
+    assert np.array_equal(lied.get([15, 12])["tag"].numpy(), _wide([15, 12])["tag"])  # the intact shard
+    with pytest.raises(CorruptShardError, match="manifest says 4611686018427387904"):
+        lied.get([3])
+    rows, problems = verify_store(store.path)
+    assert rows == 10 and len(problems) == 1 and "version 2" in problems[0]
+
+
+def test_many_small_shards_reserve_about_their_own_size(tmp_path):
+    store = FeatureStore(tmp_path / "fs", WIDE, create=True)
+    ids = np.arange(6000)
+    with store.writer(shard_size=4096) as w:  # a shard every call: 30 rows
+        for k in range(0, len(ids), 30):
+            w.write(ids[k:k + 30], **_wide(ids[k:k + 30]))
+    m = store._snap.manifest
+    assert len(m.shards) == 200
+    pages = sum(-(-e.bytes // 4096) * 4096 for e in m.shards)
+    assert store._snap._region.size == pages  # not 2 MiB a shard (300 MiB here)
+    got = store.get(ids[::-1])
+    for k, v in _wide(ids[::-1]).items():
+        assert np.array_equal(got[k].numpy(), v), k
 
 
 # --- loader, shared memory, join -----------------------------------------------------------------

@@ -93,6 +93,15 @@ class PageSums(_Pages):
     def _pages(self, buf: Any) -> None:
         self.sums.append(_page_sums(np.frombuffer(buf, dtype=np.uint8)))
 
+    def mark(self) -> tuple[int, bytes, int]:
+        """The state to go back to with :meth:`rollback` (the bytes seen so far)."""
+        return len(self.sums), bytes(self._tail), self._n
+
+    def rollback(self, mark: tuple[int, bytes, int]) -> None:
+        """Forget the bytes seen since :meth:`mark` returned ``mark``."""
+        del self.sums[mark[0]:]
+        self._tail, self._n = bytearray(mark[1]), mark[2]
+
     def hexdigest(self, head: bytes) -> str:
         """The digest of ``head`` (whole pages) followed by the bytes seen."""
         sums = [_page_sums(np.frombuffer(head, np.uint8)), *self.sums]

@@ -53,14 +53,16 @@ def verify_store(path: str) -> tuple[int, list[str]]:
     except TorchforgeError as e:
         return 0, [str(e)]
     digests: dict[str, str] = {}
+    opened: set[tuple[str, int, int]] = set()  # (file, bytes, rows) checked against a manifest entry
     for v in versions:
         try:
             m = read_manifest(store.path, v)
             for entry in (*m.shards, *([m.index] if m.index else [])):
                 f = os.path.join(store.path, entry.file)
+                if entry in m.shards and (entry.file, entry.bytes, entry.rows) not in opened:
+                    _Shard(store.path, entry, m.schema)  # size, header, tensors against this entry and schema
+                    opened.add((entry.file, entry.bytes, entry.rows))
                 if entry.file not in digests:
-                    if entry in m.shards:
-                        _Shard(store.path, entry, m.schema)  # size, header, tensors against the schema
                     digests[entry.file] = file_digest(f) if os.path.isfile(f) else "missing"
                 if digests[entry.file] != entry.digest:
                     problems.append(str(CorruptShardError(f"version {v}: digest {digests[entry.file]} differs "

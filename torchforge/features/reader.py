@@ -16,12 +16,15 @@ busy machine makes it many times slower, not faster.
 
 A batch's rows lie in many shards (every commit adds some), and one take needs one array. So the
 shards of a version are mapped side by side in one reserved range of addresses (:class:`_Region`),
-each at its own slot on a 2 MiB boundary (the huge pages the writer lays out stay huge pages here):
+each at its own slot (a shard of 2 MiB or more on a 2 MiB boundary: the huge pages the writer lays out
+stay huge pages here; a smaller one on the next page):
 a column is then one array of row items over the whole range, and a row's item number is its shard's
 first item for that column plus its row. The rows go straight into the output in the batch's order.
 A column whose rows do not start on a multiple of its row width in some shard (an odd width such as
 3 bytes) takes the other way for the batches that touch that shard: each shard's rows are taken
 together into a scratch block (in shard order) and one more take puts them in the batch's order.
+So does every column where the range cannot be reserved (a manifest lying about sizes, ``ulimit -v``):
+each shard then gets a map of its own, and a lie is found when its shard opens, as a CorruptShardError.
 """
 from __future__ import annotations
 
@@ -110,16 +113,26 @@ class _Shard:
 
 class _Region:
     """The shards of a version side by side in one reserved range of addresses: shard ``k`` is mapped
-    (read-only, when first opened) at ``base + slots[k]``, a multiple of 2 MiB. ``column(width)`` is
-    the whole range as one array of ``width``-byte items. Addresses of shards not opened are reserved
-    but unmapped; a row is only read after the shard is opened and the row checked against its count.
-    The range is unmapped when the last array over it is garbage collected."""
+    (read-only, when first opened) at ``base + slots[k]``; a shard of 2 MiB or more starts on a
+    multiple of 2 MiB (its huge pages stay huge pages here), a smaller one on the next page, so the
+    range is about as large as the shards. ``column(width)`` is the whole range as one array of
+    ``width``-byte items. Addresses of shards not opened are reserved but unmapped; a row is only read
+    after the shard is opened and the row checked against its count. The range is unmapped when the
+    last array over it is garbage collected.
+
+    Raises:
+        OSError: the address space could not be reserved (a lying manifest's sizes, ``ulimit -v``);
+            the snapshot then maps each shard on its own (see :class:`Snapshot`).
+    """
 
     def __init__(self, sizes: list[int]):
-        self.slots = [0]
+        self.slots, end = [], 0
         for size in sizes:
-            self.slots.append(self.slots[-1] + -(-size // _HUGE) * _HUGE)
-        self.size = self.slots.pop()
+            step = _HUGE if size >= _HUGE else mmap.PAGESIZE
+            start = -(-end // step) * step
+            self.slots.append(start)
+            end = start + -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.size = end
         self.base, raw, raw_size = reserve(self.size, _HUGE)
         buf = (ctypes.c_uint8 * self.size).from_address(self.base)
         unmap_with(buf, raw, raw_size)
@@ -154,7 +167,12 @@ class Snapshot:
             self.index = IdIndex(os.path.join(root, m.file), m.rows, m.bytes)
         count = len(manifest.shards) if manifest else 0
         self._shards: list[_Shard | None] = [None] * count
-        self._region = _Region([e.bytes for e in manifest.shards]) if count else None
+        self._region: _Region | None = None
+        if count:
+            try:
+                self._region = _Region([e.bytes for e in manifest.shards])
+            except (OSError, OverflowError):  # no room for it: every column takes the grouped path
+                pass
         self._opened = np.zeros(count, bool)
         self._rows_of = np.zeros(count, np.int64)  # rows of each opened shard
         # per column: the region item number of each opened shard's first row, -1 where it is not one
@@ -163,10 +181,11 @@ class Snapshot:
     def shard(self, k: int) -> _Shard:
         s = self._shards[k]
         if s is None:
+            region = self._region
             s = _Shard(self.root, self.manifest.shards[k], self.schema,
-                       lambda fd, size, path: self._region.place(k, fd, size, path))
-            for c, first in self._first.items():
-                at, width = self._region.slots[k] + s.offsets[c], self.schema[c].row_bytes
+                       None if region is None else lambda fd, size, path: region.place(k, fd, size, path))
+            for c, first in self._first.items() if region else ():
+                at, width = region.slots[k] + s.offsets[c], self.schema[c].row_bytes
                 first[k] = at // width if at % width == 0 else -1
             self._rows_of[k] = s.rows
             self._opened[k] = True
