@@ -1,7 +1,6 @@
 """A JINX dataset at a URL: :class:`RemoteJinxDataset` (see :mod:`torchforge.datasets.remote`)."""
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
@@ -155,7 +154,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         ``on_error="skip"``) a bad sample is counted, logged and left out instead of raised."""
         by_shard: dict[int, list[tuple[int, int]]] = {}
         for pos, i in enumerate(indices):
-            k = bisect.bisect_right(self._ends, i)
+            k = self._shard_index(i)
             by_shard.setdefault(k, []).append((pos, i - self._starts[k]))
 
         for k in by_shard:

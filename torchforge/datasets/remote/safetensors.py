@@ -2,7 +2,6 @@
 :mod:`torchforge.datasets.remote`)."""
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
@@ -111,8 +110,8 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
         the shards' downloads into the node's cache."""
         by_shard: dict[int, list[tuple[int, int]]] = {}
         for pos, i in enumerate(idx):
-            s = bisect.bisect_right(self._ends, i)
-            by_shard.setdefault(s, []).append((pos, i - (self._ends[s - 1] if s else 0)))
+            s = self._shard_index(i)
+            by_shard.setdefault(s, []).append((pos, i - self._first[s]))
 
         span_of: dict[tuple[int, int, str], tuple[int, int]] = {}  # (shard, row, column) -> its bytes
 
