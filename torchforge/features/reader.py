@@ -173,7 +173,6 @@ class Snapshot:
                 self._region = _Region([e.bytes for e in manifest.shards])
             except (OSError, OverflowError):  # no room for it: every column takes the grouped path
                 pass
-        self._opened = np.zeros(count, bool)
         self._rows_of = np.zeros(count, np.int64)  # rows of each opened shard
         # per column: the region item number of each opened shard's first row, -1 where it is not one
         self._first = {c: np.full(count, -1, np.int64) for c, col in schema.items() if col.row_bytes}
@@ -187,9 +186,8 @@ class Snapshot:
             for c, first in self._first.items() if region else ():
                 at, width = region.slots[k] + s.offsets[c], self.schema[c].row_bytes
                 first[k] = at // width if at % width == 0 else -1
-            self._rows_of[k] = s.rows
-            self._opened[k] = True
             self._shards[k] = s
+            self._rows_of[k] = s.rows  # last: a thread that sees the count finds the rest in place
         return s
 
     def gather(self, q: np.ndarray, columns: list[str], missing: Any) -> dict[str, torch.Tensor]:
@@ -226,12 +224,19 @@ class Snapshot:
         if int(sh.view(np.uint32).max()) >= count:  # (one reduction: a negative number is a huge unsigned one)
             bad = int(sh[(sh < 0) | (sh >= count)][0])
             raise CorruptShardError(f"the index names shard {bad}; the manifest lists {count}", path=self.index.path)
-        opened = np.take(self._opened, sh)
-        if not opened.all():
-            for k in np.unique(sh[~opened]).tolist():
-                self.shard(k)
+        if count == 1:  # one shard (a store of one commit): its own columns, no region arithmetic
+            self._check_rows(0, rw)
+            cols = self.shard(0).cols
+            for c, dst in items.items():
+                if hit is None:
+                    np.take(cols[c], rw, out=dst, mode="clip")
+                else:
+                    dst[hit] = np.take(cols[c], rw, mode="clip")
+            return
+        # a shard not opened yet counts 0 rows here, so every row of it fails this check and opens it
         if (rw.view(np.uint64) >= np.take(self._rows_of, sh).view(np.uint64)).any():
             for k in np.unique(sh).tolist():
+                self.shard(k)
                 self._check_rows(k, rw[sh == k])
         grouped = {}
         for c, dst in items.items():
