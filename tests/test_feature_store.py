@@ -1,5 +1,6 @@
 """FeatureStore: concurrent ranks, crash safety, versions, round trips, hostile files, workers, join, CLI."""
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -593,8 +594,9 @@ def test_many_small_shards_reserve_about_their_own_size(tmp_path):
             w.write(ids[k:k + 30], **_wide(ids[k:k + 30]))
     m = store._snap.manifest
     assert len(m.shards) == 200
-    pages = sum(-(-e.bytes // 4096) * 4096 for e in m.shards)
-    assert store._snap._region.size == pages  # not 2 MiB a shard (300 MiB here)
+    page = mmap.PAGESIZE
+    pages = sum(-(-e.bytes // page) * page for e in m.shards)
+    assert store._snap._region.size == pages  # not 2 MiB a shard (400 MiB here)
     got = store.get(ids[::-1])
     for k, v in _wide(ids[::-1]).items():
         assert np.array_equal(got[k].numpy(), v), k
