@@ -274,6 +274,12 @@ def _wide(ids, salt=0):
             "tag": np.stack([ids % 100, ids % 7, ids % 3], 1).astype(np.int8)}
 
 
+def _expect_wide(store, ids):
+    got = store.get(ids)
+    for k, v in _wide(ids).items():
+        assert np.array_equal(got[k].numpy(), v), k
+
+
 def test_wide_column_streams_to_its_shard_from_any_input_and_the_files_stay_plain_safetensors(tmp_path):
     from torchforge.features.inspect import verify_store
     from torchforge.features.writer import file_digest
@@ -307,9 +313,7 @@ def test_wide_column_streams_to_its_shard_from_any_input_and_the_files_stay_plai
             assert (8 + n) % 4096 == 0 and json.loads(f.read(n))["emb"]["data_offsets"][0] == 0
     assert verify_store(store.path) == (1000, [])
     q = np.concatenate([ids[::-1], ids[:7]])
-    got = store.get(q)
-    for k, v in _wide(q).items():
-        assert np.array_equal(got[k].numpy(), v), k
+    _expect_wide(store, q)
 
 
 def test_the_stream_column_is_written_in_pieces_that_end_on_2_mib_file_offsets(tmp_path, monkeypatch):
@@ -337,9 +341,7 @@ def test_the_stream_column_is_written_in_pieces_that_end_on_2_mib_file_offsets(t
     for o, n in streamed:
         assert (o + n) % (2 << 20) == 0 and n <= 4 << 20, (o, n)
     q = np.random.default_rng(2).choice(ids, 5_000)
-    got = store.get(q)
-    for k, v in _wide(q).items():
-        assert np.array_equal(got[k].numpy(), v), k
+    _expect_wide(store, q)
 
 
 def test_a_write_that_fails_midway_leaves_the_shard_as_it_was_and_the_writer_can_go_on(tmp_path, monkeypatch):
@@ -369,9 +371,7 @@ def test_a_write_that_fails_midway_leaves_the_shard_as_it_was_and_the_writer_can
     assert w.commit() == 1
     assert verify_store(store.path) == (70_000, [])
     q = np.random.default_rng(3).permutation(70_000)
-    got = store.get(q)
-    for k, v in _wide(q).items():
-        assert np.array_equal(got[k].numpy(), v), k
+    _expect_wide(store, q)
 
 
 def test_abort_removes_the_shard_being_streamed(tmp_path):
@@ -597,9 +597,7 @@ def test_many_small_shards_reserve_about_their_own_size(tmp_path):
     page = mmap.PAGESIZE
     pages = sum(-(-e.bytes // page) * page for e in m.shards)
     assert store._snap._region.size == pages  # not 2 MiB a shard (400 MiB here)
-    got = store.get(ids[::-1])
-    for k, v in _wide(ids[::-1]).items():
-        assert np.array_equal(got[k].numpy(), v), k
+    _expect_wide(store, ids[::-1])
 
 
 # --- loader, shared memory, join -----------------------------------------------------------------

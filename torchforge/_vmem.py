@@ -10,7 +10,7 @@ import mmap
 import os
 import weakref
 
-__all__ = ["map_at", "reserve", "unmap_with"]
+__all__ = ["HUGE_PAGE", "map_at", "reserve", "round_up", "unmap_with"]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -19,6 +19,12 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64): a page-cache folio this large is mapped by one TLB entry
+
+
+def round_up(n: int, step: int) -> int:
+    """The least multiple of ``step`` that is ``>= n``."""
+    return -(-n // step) * step
 
 
 def map_at(addr: int | None, size: int, prot: int, flags: int, fd: int, what: str) -> int:
@@ -40,7 +46,7 @@ def reserve(size: int, align: int) -> tuple[int, int, int]:
     raw_size = size + align
     raw = map_at(None, raw_size, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1,
                  "an address range")
-    return -(-raw // align) * align, raw, raw_size
+    return round_up(raw, align), raw, raw_size
 
 
 def unmap_with(owner: object, addr: int, size: int) -> None:

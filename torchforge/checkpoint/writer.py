@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchforge._vmem import HUGE_PAGE
 from torchforge.checkpoint import digest
 from torchforge.checkpoint.digest import PAGE, BlockDigest, _digest_of_sums, _page_sums
 from torchforge.formats.safetensors import as_bytes, plan, write_all
@@ -337,8 +338,6 @@ def _give_buffer(buf: memoryview) -> None:
         _free_buffers.append(buf)
 
 
-_HUGE = 2 << 20
-
 
 def huge_page_buffer(size: int) -> memoryview:
     """``size`` bytes of private anonymous memory, aligned to 2 MiB and advised for transparent huge pages.
@@ -352,14 +351,14 @@ def huge_page_buffer(size: int) -> memoryview:
     plain page-aligned memory.
     """
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    m = mmap.mmap(-1, size + _HUGE, flags=flags) if flags else mmap.mmap(-1, size + _HUGE)
+    m = mmap.mmap(-1, size + HUGE_PAGE, flags=flags) if flags else mmap.mmap(-1, size + HUGE_PAGE)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             m.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # THP switched off: the map works, with 4 KiB pages
             pass
     addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    start = -addr % _HUGE
+    start = -addr % HUGE_PAGE
     return memoryview(m)[start: start + size]  # the view keeps the map alive
 
 

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchforge._vmem import map_at, reserve, unmap_with
+from torchforge._vmem import HUGE_PAGE, map_at, reserve, round_up, unmap_with
 from torchforge.errors import CorruptShardError, TorchforgeError
 from torchforge.features.index import IdIndex
 from torchforge.features.layout import Manifest, Schema, ShardEntry
@@ -48,7 +48,6 @@ from torchforge.loader import collate
 __all__ = ["MissingIdsError", "Snapshot"]
 
 _SHOWN = 10  # missing ids named in an error message
-_HUGE = 2 << 20  # shard slots in a _Region start on multiples of this
 
 
 class MissingIdsError(TorchforgeError, KeyError):
@@ -128,12 +127,11 @@ class _Region:
     def __init__(self, sizes: list[int]):
         self.slots, end = [], 0
         for size in sizes:
-            step = _HUGE if size >= _HUGE else mmap.PAGESIZE
-            start = -(-end // step) * step
+            start = round_up(end, HUGE_PAGE if size >= HUGE_PAGE else mmap.PAGESIZE)
             self.slots.append(start)
-            end = start + -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+            end = start + round_up(size, mmap.PAGESIZE)
         self.size = end
-        self.base, raw, raw_size = reserve(self.size, _HUGE)
+        self.base, raw, raw_size = reserve(self.size, HUGE_PAGE)
         buf = (ctypes.c_uint8 * self.size).from_address(self.base)
         unmap_with(buf, raw, raw_size)
         self._bytes = np.frombuffer(buf, np.uint8)

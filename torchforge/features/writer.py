@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Self
 import numpy as np
 import torch
 
+from torchforge._vmem import HUGE_PAGE
 from torchforge.checkpoint.digest import PAGE, BlockDigest, PageSums
 from torchforge.errors import FormatError, TorchforgeError
 from torchforge.features.index import IdIndex, last_writes, merge, write_index
@@ -88,7 +89,6 @@ def _rank(rank: int | None) -> int:
 
 
 _PIECE = 4 << 20  # bytes of a stream column digested then written at a time (still in cache for the write)
-_HUGE = 2 << 20  # the stream's writes start and end on multiples of this where they can (see _OpenShard)
 _STREAM_MIN = 64  # row bytes from which a column is streamed rather than buffered
 
 
@@ -119,7 +119,7 @@ class _OpenShard:
             while True:
                 held = len(self.held)
                 stop = min(self.end + held + len(data) - pos, self.end + _PIECE)
-                stop -= stop % _HUGE
+                stop -= stop % HUGE_PAGE
                 if stop <= self.end:
                     break
                 take = stop - self.end - held

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from torchforge._vmem import map_at, unmap_with
+from torchforge._vmem import map_at, round_up, unmap_with
 
 __all__ = ["ALIGN", "Arena", "HeapArena", "SlabPool", "SlabWriter"]
 
@@ -43,10 +43,6 @@ ALIGN = 64
 _GROW_STEP = 1 << 20  # slab files grow in whole MiB
 _PAGE = mmap.PAGESIZE
 _ids = itertools.count()
-
-
-def _round_up(n: int, step: int) -> int:
-    return (n + step - 1) // step * step
 
 
 def _memfd_ok() -> bool:
@@ -158,7 +154,7 @@ class SlabPool:
             self._on_map(mm)
         base = np.frombuffer(mm, dtype=np.uint8, count=used)
         if used > self._hint:
-            self._hint = _round_up(used, _GROW_STEP)
+            self._hint = round_up(used, _GROW_STEP)
         if len(self._slabs) > self._keep and self._detach(slab, used):
             return base
         weakref.finalize(base, self.release, sid)
@@ -168,7 +164,7 @@ class SlabPool:
         """Give a leased slab's pages to its batch alone: cut the file to what the batch uses, close
         the descriptor, forget the slab (its mapping lives as long as the batch)."""
         try:
-            os.ftruncate(slab.fd, max(_round_up(used, _PAGE), _PAGE))
+            os.ftruncate(slab.fd, max(round_up(used, _PAGE), _PAGE))
         except OSError:
             return False
         os.close(slab.fd)
@@ -224,7 +220,7 @@ class Arena:
 
     def put(self, nbytes: int) -> tuple[int, np.ndarray]:
         """Room for ``nbytes``: its 64-byte-aligned slab offset and a writable uint8 array over it."""
-        off = _round_up(self.used, ALIGN)
+        off = round_up(self.used, ALIGN)
         end = off + nbytes
         if end > len(self._mm):
             self._grow(end)
@@ -236,7 +232,7 @@ class Arena:
         return self.put(nbytes)[1]
 
     def _grow(self, need: int) -> None:
-        size = _round_up(max(need, 2 * len(self._mm)), _GROW_STEP)
+        size = round_up(max(need, 2 * len(self._mm)), _GROW_STEP)
         os.ftruncate(self._fd, size)
         self._mm = _map_rw(self._fd, size)
         self._maps.append((_address(self._mm), size, self._mm))
