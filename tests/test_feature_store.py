@@ -374,6 +374,90 @@ def test_a_write_that_fails_midway_leaves_the_shard_as_it_was_and_the_writer_can
     _expect_wide(store, q)
 
 
+def _fail_shard_writes(monkeypatch, name, fail):
+    """Make calls of ``os.<name>`` on a shard file fail with ENOSPC while ``fail["on"]`` (for pwritev, after
+    part of the bytes reached the file)."""
+    import errno
+
+    real = getattr(os, name)
+
+    def call(fd, *args):
+        if fail["on"] and "/shards/" in os.readlink(f"/proc/self/fd/{fd}"):
+            fail["hits"] += 1
+            if name == "pwritev":
+                real(fd, args[0][:1], args[1])
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real(fd, *args)
+
+    monkeypatch.setattr(os, name, call)
+
+
+def test_a_commit_whose_shard_cannot_be_completed_keeps_its_rows_for_the_next_try(store, monkeypatch):
+    from torchforge.features.inspect import verify_store
+
+    fail = {"on": False, "hits": 0}
+    _fail_shard_writes(monkeypatch, "pwritev", fail)
+    w = store.writer(shard_size="1GiB")
+    ids = np.random.default_rng(4).permutation(3_000).astype(np.int64)
+    for k in range(0, 3_000, 500):
+        w.write(ids[k:k + 500], **_rows(ids[k:k + 500]))
+    fail["on"] = True  # the shard's buffered columns and header cannot be written
+    with pytest.raises(OSError, match="injected"):
+        w.commit()
+    with pytest.raises(OSError, match="injected"):
+        w.flush()  # and again: the same rows, the same shard
+    assert fail["hits"] >= 2 and store.latest_version == 0
+    fail["on"] = False
+    assert w.commit() == 1
+    assert verify_store(store.path) == (3_000, [])
+    _expect(FeatureStore(store.path), np.random.default_rng(5).permutation(ids))
+
+
+def test_a_write_that_cannot_complete_the_full_shard_keeps_none_of_its_rows(store, monkeypatch):
+    from torchforge.features.inspect import verify_store
+
+    fail = {"on": False, "hits": 0}
+    _fail_shard_writes(monkeypatch, "pwritev", fail)
+    w = store.writer(shard_size=100 * 26)  # 100 rows of 18 bytes + id
+    a, b, lost = np.arange(0, 150), np.arange(150, 200), np.arange(1000, 1050)
+    w.write(a, **_rows(a))  # past shard_size: completed by the next call with rows
+    fail["on"] = True
+    with pytest.raises(OSError, match="injected"):
+        w.write(lost, **_rows(lost))
+    assert fail["hits"] == 1
+    fail["on"] = False
+    w.write(b, **_rows(b))
+    assert w.commit() == 1
+    assert verify_store(store.path) == (200, [])
+    _expect(store, np.random.default_rng(6).permutation(200))
+    with pytest.raises(MissingIdsError):
+        store.get(lost[:1])
+
+
+def test_a_shard_that_cannot_be_made_durable_fails_the_commit_and_is_never_published(store, monkeypatch):
+    from torchforge.features.inspect import verify_store
+
+    w = store.writer()
+    w.write(np.arange(10), **_rows(np.arange(10)))
+    assert w.commit() == 1
+    fail = {"on": True, "hits": 0}
+    _fail_shard_writes(monkeypatch, "fsync", fail)
+    w.write(np.arange(10, 20), **_rows(np.arange(10, 20)))
+    with pytest.raises(TorchforgeError, match="could not be made durable.*10 rows were dropped") as e:
+        w.commit()
+    assert isinstance(e.value.__cause__, OSError) and fail["hits"] == 1
+    assert store.latest_version == 1
+    assert len(os.listdir(os.path.join(store.path, "shards"))) == 1  # the failed shard is gone, tmp too
+    fail["on"] = False
+    w.write(np.arange(20, 30), **_rows(np.arange(20, 30)))
+    assert w.commit() == 2  # names only the shard of this commit, not the one that failed
+    assert verify_store(store.path) == (10 + 20, [])
+    s = FeatureStore(store.path)
+    _expect(s, np.r_[np.arange(10), np.arange(20, 30)])
+    with pytest.raises(MissingIdsError):
+        s.get([15])
+
+
 def test_abort_removes_the_shard_being_streamed(tmp_path):
     store = FeatureStore(tmp_path / "fs", WIDE, create=True)
     w = store.writer()

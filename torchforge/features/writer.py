@@ -173,7 +173,11 @@ def _finish(fd: int, tmp: str, path: str) -> None:
         os.unlink(tmp)
         raise
     os.close(fd)
-    os.rename(tmp, path)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 class FeatureWriter:
@@ -232,6 +236,11 @@ class FeatureWriter:
 
         Values are converted to the column's dtype (a device tensor copied to the host) and are in the
         shard file or the writer's buffers when this returns: the caller may reuse its buffers at once.
+
+        All or nothing: a call that raises (a full disk) has kept none of its rows, and the writer still
+        holds every row of the calls before it, so the same call may be made again. A shard that
+        reached ``shard_size`` is completed by the next call with rows (or by :meth:`flush`,
+        :meth:`commit`), before that call's rows are taken.
         """
         self._check_open()
         arr = as_ids(ids)
@@ -252,6 +261,8 @@ class FeatureWriter:
             rows[name] = _host(v.detach(), col.dtype, copy=name != self._stream)
         if n == 0:
             return
+        if self._buffered >= self.shard_size:
+            self.flush()
         if self._open is None:
             self._open = _OpenShard(os.path.join(self.root, SHARDS), self.name, self._data_start)
         if self._stream is not None:
@@ -261,16 +272,19 @@ class FeatureWriter:
             self._cols[name].append(buf)
         self._rows += n
         self._buffered += n * (8 + sum(c.row_bytes for c in self.schema.values()))
-        if self._buffered >= self.shard_size:
-            self.flush()
 
     def flush(self) -> None:
-        """Complete the current shard now (its rows stay invisible until :meth:`commit`)."""
+        """Complete the current shard now (its rows stay invisible until :meth:`commit`).
+
+        If a write fails (a full disk), the error is raised and the writer keeps the shard and its rows
+        as they were: a later ``flush()`` or ``commit()`` tries again, :meth:`abort` drops them.
+        """
         self._check_open()
         shard, n = self._open, self._rows
         if shard is None:
             return
         ids = np.concatenate(self._ids) if self._ids else np.zeros(0, np.int64)
+        held, mark = shard.held, shard.sums.mark()
         try:
             views = shard.drain() + [as_bytes(torch.from_numpy(ids)) if name == "id" else as_bytes(t)
                                      for name in self._order for t in ([None] if name == "id" else self._cols[name])]
@@ -282,8 +296,9 @@ class FeatureWriter:
             write_all(shard.fd, [memoryview(head)], 0)
             entry = ShardEntry(f"{SHARDS}/{self.name}-{self._shard_no}.safetensors",
                                self._data_start + shard.sums.nbytes, n, shard.sums.hexdigest(head))
-        except BaseException:
-            self._drop_open()
+        except BaseException:  # bytes written past the end are written over by the next try
+            shard.held = bytearray(held)  # a copy: a view of the old one may live on in the traceback
+            shard.sums.rollback(mark)
             raise
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="torchforge-feature-writer")
@@ -304,13 +319,14 @@ class FeatureWriter:
         self._buffered = 0
 
     def _wait(self) -> None:
-        """Wait until every completed shard is fsynced and named; raise the first failure."""
-        pending, self._pending = self._pending, []
+        """Wait until every completed shard is fsynced and named; raise the first failure (the shards
+        stay pending until :meth:`abort`)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        for f in pending:
+        for f in self._pending:
             f.result()
+        self._pending = []
 
     # --- publishing --------------------------------------------------------------------------------
     def commit(self) -> int:
@@ -338,9 +354,15 @@ class FeatureWriter:
             try:  # the index was built while the shards were fsynced; a manifest names only durable files
                 self._wait()
                 fsync_dir(os.path.join(self.root, SHARDS))
-            except BaseException:
+            except BaseException as e:
                 if index_path is not None:
                     os.unlink(index_path)
+                if isinstance(e, OSError):  # durability unknown: no later commit may name these shards
+                    rows = sum(entry.rows for entry in mine)
+                    self.abort()
+                    raise TorchforgeError(f"this commit's shards could not be made durable ({e}); its {rows} "
+                                          "rows were dropped and nothing was published: write them again",
+                                          path=os.path.join(self.root, SHARDS)) from e
                 raise
             if claim_version(self.root, manifest):
                 break
@@ -387,6 +409,7 @@ class FeatureWriter:
             self._wait()
         except OSError:
             pass  # a shard that failed to complete was removed by its own task
+        self._pending = []
         for e, _ in self._written:
             try:
                 os.unlink(os.path.join(self.root, e.file))
