@@ -74,3 +74,24 @@ def test_soft_limit_is_raised_only_as_needed_and_a_low_hard_limit_is_reported(mo
         _limits.ensure_open_files(10000, "MDSDataset")
     assert fake.limits == (8192, 8192)
     assert "MDSDataset may hold 10000 open files" in caplog.text
+
+
+def test_a_map_refused_for_lack_of_memory_or_maps_says_how_many_maps_and_the_limit(tmp_path):
+    # ENOMEM is what mmap gives past vm.max_map_count; an address-space limit gives the same errno
+    code = textwrap.dedent(r'''
+        import mmap, resource, sys
+        from torchforge import _vmem
+        path = sys.argv[1]
+        with open(path, "wb") as f:
+            f.truncate(1 << 20)
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 34, 1 << 34))  # 16 GiB of addresses: a 32 GiB map fails
+        with open(path, "rb") as f:
+            try:
+                _vmem.map_at(None, 1 << 35, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), path)
+            except OSError as e:
+                print(e.errno, e.strerror)
+    ''')
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "f")], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.startswith("12 ") and str(tmp_path / "f") in out, out
+    assert "maps; vm.max_map_count is" in out, out

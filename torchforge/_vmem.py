@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 import weakref
@@ -35,8 +36,23 @@ def map_at(addr: int | None, size: int, prot: int, flags: int, fd: int, what: st
     got = _libc.mmap(addr, size, prot, flags, fd, 0)
     if got is None or got == _FAILED or (addr is not None and got != addr):
         err = ctypes.get_errno()
-        raise OSError(err, f"mmap of {what} ({size} bytes) failed: {os.strerror(err)}")
+        raise OSError(err, f"mmap of {what} ({size} bytes) failed: {os.strerror(err)}{_map_limit(err)}")
     return got
+
+
+def _map_limit(err: int) -> str:
+    """For ENOMEM: how many maps this process has against ``vm.max_map_count`` (the usual cause when
+    memory is not short: every mapped file is at least one map)."""
+    if err != errno.ENOMEM:
+        return ""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            have = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        return ""
+    return f" (this process has {have} maps; vm.max_map_count is {limit}: raise it with sysctl, or open fewer files)"
 
 
 def reserve(size: int, align: int) -> tuple[int, int, int]:
