@@ -906,3 +906,166 @@ def test_blocking_save_of_a_model_on_two_devices_waits_for_both(tmp_path):
     fresh = torch.nn.ModuleDict({"a": torch.nn.Linear(2048, 2048), "b": torch.nn.Linear(2048, 2048)})
     ck.restore(1, model=fresh)
     assert (fresh["b"].weight == 7.0).all()
+
+
+# --- failures after the data is written: what is committed stays committed, and the error says so ---
+def _eio(what="injected"):
+    import errno
+
+    return OSError(errno.EIO, f"Input/output error ({what})")
+
+
+def test_a_manifest_unreadable_while_pruning_never_deletes_the_step_just_committed(tmp_path, monkeypatch):
+    import builtins
+    import errno
+
+    m, _ = _fresh()
+    ck = Checkpointer(tmp_path, keep_last=2)
+    ck.save(1, model=m)
+    ck.save(2, model=m)
+    real = builtins.open
+
+    def flaky_open(path, *a, **k):  # the new step's manifest cannot be opened for a moment (EMFILE)
+        if str(path).endswith(os.path.join("step-00000003", "manifest.json")) and "r" in (a[0] if a else k.get("mode", "r")):
+            raise OSError(errno.EMFILE, "Too many open files (injected)", str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", flaky_open)
+    with pytest.raises(CheckpointError, match="step 3 was committed, but pruning"):
+        ck.save(3, model=m)
+    monkeypatch.setattr(builtins, "open", real)
+    assert ck.steps() == [1, 2, 3] and ck.latest() == 3  # before: step 3 pruned as "oldest", save returned
+    ck.save(4, model=m)
+    assert ck.steps() == [3, 4]
+
+
+def test_a_resave_whose_second_rename_fails_puts_the_committed_step_back_at_once(tmp_path, monkeypatch):
+    import torchforge.checkpoint.checkpointer as mod
+
+    m, _ = _fresh(0)
+    ck = Checkpointer(tmp_path)
+    ck.save(5, model=m)
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    monkeypatch.setattr(mod, "exchange_paths", lambda a, b: False)  # a filesystem without RENAME_EXCHANGE
+    real = os.rename
+
+    def rename(src, dst):
+        if os.path.basename(str(src)).startswith(".tmp-step-"):
+            raise _eio()
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(CheckpointError, match="nothing was committed"):
+        ck.save(5, model=_fresh(1)[0])
+    monkeypatch.setattr(os, "rename", real)
+    assert ck.steps() == [5] and sorted(os.listdir(tmp_path)) == ["step-00000005"]  # before: hidden as .old-*
+    m2 = _fresh(2)[0]
+    ck.restore(5, model=m2)
+    assert _bitwise_equal(m2.state_dict(), want)
+
+
+def test_a_root_fsync_failing_after_the_rename_says_the_step_is_in_place(tmp_path, monkeypatch):
+    import torchforge.checkpoint.checkpointer as mod
+
+    m, _ = _fresh()
+    ck = Checkpointer(tmp_path)
+    real = mod.fsync_dir
+
+    def fsync_dir(path):
+        if os.path.abspath(path) == os.path.abspath(tmp_path):
+            raise _eio()
+        return real(path)
+
+    monkeypatch.setattr(mod, "fsync_dir", fsync_dir)
+    with pytest.raises(CheckpointError, match="step-00000001 is in place, but .* may not survive a crash") as e:
+        ck.save(1, model=m)
+    assert e.value.installed and ck.latest() == 1  # before: "nothing was committed", yet it was
+    assert os.listdir(tmp_path) == ["step-00000001"]
+
+
+def test_a_prune_that_fails_is_a_checkpoint_error_and_leaves_no_hidden_step(tmp_path, monkeypatch):
+    import torchforge.checkpoint.checkpointer as mod
+
+    m, _ = _fresh()
+    ck = Checkpointer(tmp_path, keep_last=1)
+    ck.save(1, model=m)
+    real = mod.fsync_dir
+    fail = {"on": True}
+
+    def fsync_dir(path):  # the root's fsync after the pruned step was renamed away
+        if fail["on"] and any(n.startswith(".trash-") for n in os.listdir(tmp_path)):
+            raise _eio()
+        return real(path)
+
+    monkeypatch.setattr(mod, "fsync_dir", fsync_dir)
+    with pytest.raises(CheckpointError, match="step 2 was committed, but pruning"):
+        ck.save(2, model=m)  # before: a raw OSError
+    assert os.listdir(tmp_path) == ["step-00000002"]  # before: .trash-step-00000001-* stayed
+    ck.save(3, model=m, blocking=False)
+    with pytest.raises(CheckpointError, match="step 3 was committed, but pruning"):
+        ck.wait()
+    fail["on"] = False
+    ck.save(4, model=m)
+    assert os.listdir(tmp_path) == ["step-00000004"]
+
+
+def test_a_failed_export_keeps_the_previous_one_and_later_exports_work(tmp_path, monkeypatch):
+    import safetensors.torch as st
+
+    import torchforge.checkpoint.checkpointer as mod
+
+    m, _ = _fresh(0)
+    root, out = tmp_path / "ck", tmp_path / "export"
+    ck = Checkpointer(root, keep_last=2)
+    ck.save(1, model=m, export_to=out)
+    first = st.load_file(out / "model-00001-of-00001.safetensors")
+    monkeypatch.setattr(mod, "exchange_paths", lambda a, b: False)  # the two-rename fallback
+    real = os.rename
+
+    def rename(src, dst):
+        if ".export.tmp-" in str(src) and ".old-" not in str(src) and os.path.abspath(dst) == os.path.abspath(out):
+            raise _eio()
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(CheckpointError, match="step 2 was committed, but its export failed"):
+        ck.save(2, model=_fresh(1)[0], export_to=out)
+    monkeypatch.setattr(os, "rename", real)
+    again = st.load_file(out / "model-00001-of-00001.safetensors")  # before: the export folder was gone
+    assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
+    for step in (3, 4, 5):  # before: every later export failed (the stale .old folder), pruning stopped
+        ck.save(step, model=_fresh(step)[0], export_to=out)
+    assert ck.steps() == [4, 5] and sorted(os.listdir(tmp_path)) == ["ck", "export"]
+
+
+def test_a_failed_write_names_the_file_it_was_writing(tmp_path, monkeypatch):
+    from torchforge.checkpoint import writer
+
+    m, _ = _fresh()
+    ck = Checkpointer(tmp_path)
+    real = writer.write_block
+
+    def write_block(fd, *a, **k):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".safetensors"):
+            raise OSError(28, "No space left on device (injected)")
+        return real(fd, *a, **k)
+
+    monkeypatch.setattr(writer, "write_block", write_block)
+    monkeypatch.setattr(writer, "_O_DIRECT", 0)  # the buffered path, where write_block runs
+    with pytest.raises(CheckpointError, match="injected") as e:
+        ck.save(1, model=m)
+    assert e.value.path.endswith(".safetensors")  # before: the save's temporary folder
+
+
+def test_rank_zero_drops_its_own_aborted_saves_only(tmp_path):
+    from torchforge.checkpoint import distributed
+
+    aborted, running = tmp_path / distributed.tmp_name(4), tmp_path / distributed.tmp_name(5)
+    other_pid = tmp_path / distributed.tmp_name(4, pid=os.getpid() + 1)
+    for d in (aborted, running, other_pid):
+        d.mkdir()
+        (d / "rank-00000-00000.safetensors").write_bytes(b"part")
+    (aborted / "ABORT").touch()
+    (other_pid / "ABORT").touch()  # another process's: its ranks may still be looking at it
+    distributed._drop_aborted(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted([running.name, other_pid.name])

@@ -91,6 +91,13 @@ def _rank_main(rank: int, world: int, init: str, job: dict) -> None:
         ck = Checkpointer(job["root"], timeout=job.get("timeout", 60), max_shard_size=job.get("shard", "2GB"))
         if job["phase"] == "save":
             _train(m, opt, 0, job["steps"], rank)
+            if job.get("fail_rank") == rank:  # this rank's data writes fail (a full disk)
+                import torchforge.checkpoint.distributed as dmod
+
+                def enospc(*a, **k):
+                    raise OSError(28, "No space left on device (injected)")
+
+                dmod.write_files = enospc
             for step in job.get("save_at", [job["steps"]]):
                 ck.save(step, model=m, optimizer=opt, extra={"epoch": 1, "t": torch.arange(3)},
                         rank_state={"rank": rank, "rng": torch.get_rng_state()}, export_to=job.get("export"))
@@ -315,6 +322,24 @@ def test_a_rank_killed_mid_save_leaves_the_previous_step_and_the_others_raise(tm
     ck.verify(2)
     full, _ = _restore_plain(root)
     _same(load_file(tmp_path / "first.safetensors"), full)
+
+
+@pytest.mark.parametrize("fail_rank", [0, 1])
+def test_a_rank_whose_write_fails_makes_every_rank_raise_at_once_not_at_the_timeout(tmp_path, fail_rank):
+    root = str(tmp_path / "ck")
+    first = {"kind": "ddp", "phase": "save", "steps": 2, "root": root, "out": str(tmp_path), "name": "first"}
+    assert _spawn(2, first, tmp_path) == [0, 0]
+    job = {"kind": "ddp", "phase": "save", "steps": 2, "save_at": [4], "root": root, "out": str(tmp_path),
+           "name": "full", "fail_rank": fail_rank, "timeout": 90}
+    assert _spawn(2, job, tmp_path, timeout=200) == [0, 0]
+    failed, other = _result(tmp_path, "full", fail_rank), _result(tmp_path, "full", 1 - fail_rank)
+    assert "injected" in failed["error"] and "nothing was committed" in failed["error"], failed
+    # before: with rank 0's write failing, rank 1 waited the whole timeout for a commit that never came
+    assert "aborted" in other["error"] or "reported a failure" in other["error"], other
+    assert abs(other["error_at"] - failed["error_at"]) < 30, (failed, other)
+    ck = Checkpointer(root)
+    assert ck.steps() == [2] and ck.latest() == 2
+    ck.verify(2)
 
 
 def test_manifest_is_json_and_a_lying_manifest_is_a_checkpoint_error(saved, tmp_path):

@@ -117,7 +117,10 @@ class Checkpointer:
         """Committed steps in the order they were committed (the manifest's commit time)."""
         return sorted(self.steps(), key=lambda s: (self._commit_time(s), s))
 
-    def _commit_time(self, step: int) -> int:
+    def _commit_time(self, step: int, strict: bool = False) -> int:
+        """When ``step`` was committed; 0 for a damaged step (no manifest, or not JSON: the oldest, pruned
+        first; restore reports the damage). ``strict``: a manifest that exists but cannot be read now (EIO,
+        EMFILE) raises OSError rather than counting as damaged, so pruning never guesses."""
         folder = self.path(step)
         try:
             with open(os.path.join(folder, MANIFEST), "rb") as f:
@@ -125,8 +128,14 @@ class Checkpointer:
             if isinstance(t, int):
                 return t
             return os.stat(folder).st_mtime_ns  # a step saved before commit times were recorded
-        except (OSError, ValueError, AttributeError):
-            return 0  # unreadable: the oldest (pruned first); restore reports the damage
+        except FileNotFoundError:
+            return 0
+        except OSError:
+            if strict:
+                raise
+            return 0
+        except (ValueError, AttributeError):
+            return 0
 
     def path(self, step: int) -> str:
         """The folder of ``step``."""
@@ -255,9 +264,9 @@ class Checkpointer:
 
     def _write(self, step: int, files: list[FilePlan], state: dict, export_to: Any = None) -> None:
         tmp = os.path.join(self.root, distributed.tmp_name(step))
-        os.mkdir(tmp)
-        crash_point("tmp-created")
         try:
+            os.mkdir(tmp)
+            crash_point("tmp-created")
             def manifest(entries: dict[str, Any]) -> FilePlan:
                 m = {"format": _FORMAT, "version": 1, "step": step, "committed": time.time_ns(),
                      "checksum": "blake2b128-of-4KiB-page-sum64, 64MiB blocks", "files": entries}
@@ -271,16 +280,24 @@ class Checkpointer:
             self._install(tmp, final)
             crash_point("after-rename")
         except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # (after an exchange, the step saved before under that number)
             if isinstance(e, OSError):
                 raise CheckpointError(f"writing step {step} failed, nothing was committed: {e}",
                                       path=getattr(e, "filename", None) or tmp) from e
             raise
         for f in files:  # drop references to tensors and the arena
             f.views, f.parts = [], []
+        failed = None
         if export_to is not None and "model" in state:
-            self._export(step, export_to, self.max_shard_size, overwrite=True)
-        self._prune(recycle=self.recycle and self.direct_io)
+            try:
+                self._export(step, export_to, self.max_shard_size, overwrite=True)
+            except CheckpointError as e:  # the step is committed: prune as after any commit, then say so
+                failed = CheckpointError(f"step {step} was committed, but its export failed: {e.reason}",
+                                         path=e.path)
+                failed.__cause__ = e
+        self._prune(step, recycle=self.recycle and self.direct_io)
+        if failed is not None:
+            raise failed
 
     def _spares(self) -> list[str]:
         """The files of the step pruned last, largest first (see ``recycle``)."""
@@ -309,43 +326,71 @@ class Checkpointer:
         with self._lock:
             if not os.path.exists(final):
                 os.rename(tmp, final)
-                fsync_dir(self.root)
+                self._sync_installed(final)
                 return
             if exchange_paths(tmp, final):
-                fsync_dir(self.root)
+                self._sync_installed(final)
                 crash_point("old-step-hidden")
                 shutil.rmtree(tmp, ignore_errors=True)
                 return
             old = os.path.join(self.root, f".old-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
             os.rename(final, old)
             crash_point("old-step-hidden")
-            os.rename(tmp, final)
-            fsync_dir(self.root)
+            try:
+                os.rename(tmp, final)
+            except BaseException:
+                os.rename(old, final)  # the committed step comes back at once, not at the next open
+                raise
+            self._sync_installed(final)
             shutil.rmtree(old, ignore_errors=True)
 
-    def _prune(self, recycle: bool = False) -> None:
+    def _sync_installed(self, final: str) -> None:
+        """fsync the root after ``final`` was renamed into place; a failure is a CheckpointError with
+        ``installed`` set: the step is visible (and restores), but may not survive a crash."""
+        try:
+            fsync_dir(self.root)
+        except OSError as e:
+            err = CheckpointError(f"{os.path.basename(final)} is in place, but the checkpoint folder could not "
+                                  f"be fsynced ({e}): it may not survive a crash; save it again", path=self.root)
+            err.installed = True  # (the distributed commit lets the other ranks see the step)
+            raise err from e
+
+    def _prune(self, step: int, recycle: bool = False) -> None:
         """Delete all but the ``keep_last`` most recently committed steps (by commit, not step number: a
         run rolled back to an earlier step keeps its new saves), before the save returns; with
-        ``recycle`` the first one's files are kept hidden for the next save to write over."""
+        ``recycle`` the first one's files are kept hidden for the next save to write over. Never
+        ``step``, the one just committed; a manifest that cannot be read now stops the pruning (an
+        error saying the step was committed) rather than making its step look oldest."""
         if not self.keep_last:
             return
-        for s in self.committed()[:-self.keep_last]:
-            self._discard(self.path(s), recycle)
-            recycle = False
+        try:
+            steps = self.steps()
+            order = sorted(steps, key=lambda s: (self._commit_time(s, strict=True), s))
+            for s in order[:-self.keep_last]:
+                if s != step:
+                    self._discard(self.path(s), recycle)
+                    recycle = False
+        except OSError as e:
+            raise CheckpointError(f"step {step} was committed, but pruning the steps before it failed: {e}",
+                                  path=getattr(e, "filename", None) or self.root) from e
 
     def _discard(self, folder: str, recycle: bool = False) -> None:
         """Make a step invisible at once (rename), then delete its files, or with ``recycle`` keep them as
         the next save's spares (the spares kept before, if any are left, are deleted)."""
         trash = os.path.join(self.root, f".trash-{os.path.basename(folder)}-{uuid.uuid4().hex[:8]}")
         os.rename(folder, trash)
-        fsync_dir(self.root)
-        crash_point("old-step-hidden")
-        if recycle:  # these replace the spares kept before (a step pruned with others keeps them)
-            self._drop_spares()
-            if self._keep_spares(trash):
+        kept = False
+        try:
+            fsync_dir(self.root)
+            crash_point("old-step-hidden")
+            if recycle:  # these replace the spares kept before (a step pruned with others keeps them)
+                self._drop_spares()
+                kept = self._keep_spares(trash)
+        finally:
+            if kept:
                 self._spare_dir = trash
-                return
-        shutil.rmtree(trash, ignore_errors=True)
+            else:  # (also when something failed: a hidden step is never left behind)
+                shutil.rmtree(trash, ignore_errors=True)
 
     @staticmethod
     def _keep_spares(trash: str) -> bool:

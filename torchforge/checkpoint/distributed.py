@@ -37,6 +37,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -315,21 +316,27 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
 def _write_part(ck: Any, step: int, tmp: str, files: list[FilePlan], info: dict[str, Any], rank: int,
                 world: int, export_to: Any) -> None:
     if rank == 0:
-        os.makedirs(tmp, exist_ok=True)
+        _drop_aborted(ck.root)
+        try:
+            os.makedirs(tmp, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"rank 0: cannot create step {step}'s folder: {e}", path=tmp) from e
     else:
         _wait_for(lambda: os.path.isdir(tmp) or _owner_gone(tmp), ck.timeout,
                   f"rank 0 to create {os.path.basename(tmp)}", tmp)
         if not os.path.isdir(tmp):
             raise CheckpointError(f"rank 0 died before step {step}'s folder existed; nothing was committed",
                                   path=tmp)
-    _write_json_atomic(tmp, f"rank-{rank:05d}.pid", {"host": host_name(), "pid": os.getpid()})
-    crash_point("tmp-created")
     try:
+        _write_json_atomic(tmp, f"rank-{rank:05d}.pid", {"host": host_name(), "pid": os.getpid()})
+        crash_point("tmp-created")
         info["files"] = write_files(tmp, files, ck._pool, ck._flusher, direct=ck.direct_io)
         _write_json_atomic(tmp, f"rank-{rank:05d}.json", info)
         crash_point("data-written")
     except BaseException as e:
         _write_json_atomic(tmp, f"rank-{rank:05d}.error", {"rank": rank, "error": repr(e)}, quiet=True)
+        if rank == 0:  # the others wait for rank 0's commit, not for its part: tell them now
+            _abort(tmp)
         if isinstance(e, OSError):
             raise CheckpointError(f"rank {rank}: writing step {step} failed, nothing was committed: {e}",
                                   path=getattr(e, "filename", None) or tmp) from e
@@ -359,6 +366,22 @@ def _rank_files(prefix: str, tensors: dict[str, torch.Tensor], max_shard: int
         for key, t, off in layout:
             where[key] = {"file": f.name, "range": [off, off + t.numel() * t.element_size()]}
     return files, where
+
+
+def _abort(tmp: str) -> None:
+    """Mark a save as failed (``ABORT`` in its folder) for the ranks waiting on it."""
+    with contextlib.suppress(OSError), open(os.path.join(tmp, "ABORT"), "wb"):
+        pass
+
+
+def _drop_aborted(root: str) -> None:
+    """Delete this process's earlier saves that were aborted (rank 0 only: their ranks have all given up
+    by the time rank 0 saves again), so a job whose saves keep failing does not pile up partial steps."""
+    mine = f"-h{host_name()}-p{os.getpid()}-"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            if name.startswith(".tmp-step-") and mine in name and os.path.exists(os.path.join(root, name, "ABORT")):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def _committed(final: str, tmp: str) -> bool:
@@ -470,14 +493,19 @@ def _commit(ck: Any, step: int, tmp: str, final: str, world: int) -> None:
         crash_point("before-rename")
         ck._install(tmp, final)
         crash_point("after-rename")
-    except BaseException:
-        try:
-            with open(os.path.join(tmp, "ABORT"), "wb"):
-                pass
-        except OSError:
-            pass
+    except CheckpointError as e:
+        if getattr(e, "installed", False):  # the step is in place: the others see it once tmp is gone
+            shutil.rmtree(tmp, ignore_errors=True)  # (tmp held the step saved before under that number)
+        else:
+            _abort(tmp)
         raise
-    ck._prune()
+    except BaseException as e:
+        _abort(tmp)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"rank 0: committing step {step} failed, nothing was committed: {e}",
+                                  path=getattr(e, "filename", None) or tmp) from e
+        raise
+    ck._prune(step)
 
 
 def _global_shape(chunks: list[dict[str, Any]]) -> list[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ def export_model(names: dict[str, tuple[list[int], torch.dtype]], get: Callable[
         CheckpointError: ``folder`` exists (without ``overwrite``) or a write failed; nothing is left half
             written.
     """
+    from torchforge.checkpoint.checkpointer import exchange_paths
     from torchforge.checkpoint.distributed import host_name
 
     folder = os.path.abspath(folder)
@@ -66,19 +68,38 @@ def export_model(names: dict[str, tuple[list[int], torch.dtype]], get: Callable[
         write_files(tmp, [FilePlan.of_bytes(INDEX, json.dumps(index, indent=2).encode() + b"\n")], pool,
                     direct=False)
         fsync_dir(tmp)
-        if os.path.exists(folder):
-            old = f"{tmp}.old"
-            os.rename(folder, old)
-            os.rename(tmp, folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, folder)
-        fsync_dir(parent)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
             raise CheckpointError(f"export failed, nothing was written: {e}", path=folder) from e
         raise
+    # in place: one atomic swap with the previous export where the filesystem can (tmp then holds the
+    # previous one), else two renames, the second undone if it fails; the previous export goes last
+    try:
+        if not os.path.exists(folder):
+            os.rename(tmp, folder)
+        elif not exchange_paths(tmp, folder):
+            old = f"{tmp}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(folder, old)
+            try:
+                os.rename(tmp, folder)
+            except BaseException:
+                os.rename(old, folder)
+                raise
+            tmp = old
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"export failed, the previous export (if any) is in place: {e}",
+                                  path=folder) from e
+        raise
+    try:
+        fsync_dir(parent)
+    except OSError as e:
+        raise CheckpointError(f"the export is in place, but {parent} could not be fsynced ({e}): it may not "
+                              "survive a crash", path=folder) from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous export, if there was one
     return folder
 
 

@@ -18,7 +18,7 @@ import os
 import signal
 import stat
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -249,7 +249,8 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
                     jobs.append((f.name, fut.result))
         sums: dict[str, list[str]] = {f.name: [] for f in files}
         for name, result in jobs:
-            sums[name].append(result())
+            with _naming(folder, name):
+                sums[name].append(result())
         for fd, size in padded:
             os.ftruncate(fd, size)
         entries = {f.name: {"size": f.size, "digests": sums[f.name]} for f in files}
@@ -260,10 +261,11 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
             crash_point("manifest-written")
         for fut in flushes:
             fut.result()
-        syncs = [pool.submit(os.fsync, fd) for fd in fds.values()]
-        queued += syncs
-        for fut in syncs:
-            fut.result()
+        syncs = {name: pool.submit(os.fsync, fd) for name, fd in fds.items()}
+        queued += syncs.values()
+        for name, fut in syncs.items():
+            with _naming(folder, name):
+                fut.result()
     finally:
         # A descriptor is closed only once nothing queued can still use it: after a failure (ENOSPC in one
         # block) the other blocks' writes are still running, and a closed number may be reused at once by
@@ -273,6 +275,17 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
         for fd in fds.values():
             os.close(fd)
     return entries
+
+
+@contextlib.contextmanager
+def _naming(folder: str, name: str) -> Iterator[None]:
+    """Give an OSError raised inside (a failed write or fsync: no file name of its own) the file's path."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, os.path.join(folder, name)) from e
+        raise
 
 
 def _unused(path: str) -> bool:
