@@ -915,28 +915,49 @@ def _eio(what="injected"):
     return OSError(errno.EIO, f"Input/output error ({what})")
 
 
-def test_a_manifest_unreadable_while_pruning_never_deletes_the_step_just_committed(tmp_path, monkeypatch):
+def _unreadable(monkeypatch, step_dir, code):
+    """``open()`` of ``step_dir``'s manifest for reading fails with ``code`` while ``on["on"]``."""
     import builtins
+
+    real, on = builtins.open, {"on": True}
+
+    def fake_open(path, *a, **k):
+        mode = a[0] if a else k.get("mode", "r")
+        if on["on"] and str(path).endswith(os.path.join(step_dir, "manifest.json")) and "r" in mode:
+            raise OSError(code, f"{os.strerror(code)} (injected)", str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    return on
+
+
+def test_a_manifest_unreadable_while_pruning_never_deletes_the_step_just_committed(tmp_path, monkeypatch):
     import errno
 
     m, _ = _fresh()
     ck = Checkpointer(tmp_path, keep_last=2)
     ck.save(1, model=m)
     ck.save(2, model=m)
-    real = builtins.open
+    on = _unreadable(monkeypatch, "step-00000003", errno.EMFILE)  # the new step's, for a moment
+    ck.save(3, model=m)
+    on["on"] = False
+    assert ck.steps() == [2, 3] and ck.latest() == 3  # before: step 3 pruned as "oldest", save returned
 
-    def flaky_open(path, *a, **k):  # the new step's manifest cannot be opened for a moment (EMFILE)
-        if str(path).endswith(os.path.join("step-00000003", "manifest.json")) and "r" in (a[0] if a else k.get("mode", "r")):
-            raise OSError(errno.EMFILE, "Too many open files (injected)", str(path))
-        return real(path, *a, **k)
 
-    monkeypatch.setattr(builtins, "open", flaky_open)
-    with pytest.raises(CheckpointError, match="step 3 was committed, but pruning"):
-        ck.save(3, model=m)
-    monkeypatch.setattr(builtins, "open", real)
-    assert ck.steps() == [1, 2, 3] and ck.latest() == 3  # before: step 3 pruned as "oldest", save returned
-    ck.save(4, model=m)
-    assert ck.steps() == [3, 4]
+def test_an_old_step_whose_manifest_cannot_be_read_is_kept_and_saves_go_on(tmp_path, monkeypatch, caplog):
+    import errno
+
+    m, _ = _fresh()
+    ck = Checkpointer(tmp_path, keep_last=2)
+    ck.save(1, model=m)
+    on = _unreadable(monkeypatch, "step-00000001", errno.EACCES)  # for good
+    for step in (2, 3, 4, 5):
+        ck.save(step, model=m)  # never deleted unread, never an error: the others are pruned around it
+    assert ck.steps() == [1, 4, 5]
+    assert "not pruning step 1: its manifest cannot be read" in caplog.text
+    on["on"] = False
+    ck.save(6, model=m)
+    assert ck.steps() == [5, 6]
 
 
 def test_a_resave_whose_second_rename_fails_puts_the_committed_step_back_at_once(tmp_path, monkeypatch):
@@ -1069,3 +1090,35 @@ def test_rank_zero_drops_its_own_aborted_saves_only(tmp_path):
     (other_pid / "ABORT").touch()  # another process's: its ranks may still be looking at it
     distributed._drop_aborted(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == sorted([running.name, other_pid.name])
+
+
+def test_an_export_that_cannot_start_after_the_commit_still_prunes_and_says_so(tmp_path, monkeypatch):
+    import errno
+
+    m, _ = _fresh()
+    root, out = tmp_path / "ck", tmp_path / "export"
+    ck = Checkpointer(root, keep_last=1)
+    ck.save(1, model=m, export_to=out)
+    real = os.mkdir
+
+    def mkdir(path, *a, **k):
+        if ".export.tmp-" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    with pytest.raises(CheckpointError, match="step 2 was committed, but its export failed") as e:
+        ck.save(2, model=m, export_to=out)  # before: a raw OSError, and step 1 was never pruned
+    assert e.value.installed and ck.steps() == [2]
+
+
+def test_an_export_folder_that_is_a_symlink_is_replaced_and_later_exports_work(tmp_path):
+    m, _ = _fresh()
+    (tmp_path / "v1").mkdir()
+    out = tmp_path / "export"
+    out.symlink_to(tmp_path / "v1", target_is_directory=True)
+    ck = Checkpointer(tmp_path / "ck", keep_last=1)
+    for step in (1, 2, 3):  # before: from the second export on, the swapped-out link blocked every export
+        ck.save(step, model=m, export_to=out)
+    assert ck.steps() == [3] and sorted(os.listdir(tmp_path)) == ["ck", "export", "v1"]
+    assert not out.is_symlink() and (out / "model.safetensors.index.json").is_file()

@@ -458,6 +458,51 @@ def test_a_shard_that_cannot_be_made_durable_fails_the_commit_and_is_never_publi
         s.get([15])
 
 
+def test_a_failed_fsync_whose_cleanup_also_fails_still_never_publishes_the_shard(store, monkeypatch):
+    from torchforge.features.inspect import verify_store
+
+    w = store.writer()
+    fail = {"on": True, "hits": 0}
+    _fail_shard_writes(monkeypatch, "fsync", fail)
+    real_unlink = os.unlink
+
+    def unlink(path, *a, **k):  # removing this commit's shards fails too (EIO)
+        if fail["on"] and "/shards/" in str(path):
+            raise OSError(5, "Input/output error (injected)", str(path))
+        return real_unlink(path, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    w.write(np.arange(10), **_rows(np.arange(10)))
+    with pytest.raises(TorchforgeError, match="could not be made durable"):
+        w.commit()
+    fail["on"] = False
+    w.write(np.arange(10, 20), **_rows(np.arange(10, 20)))
+    assert w.commit() == 1  # only this commit's shard: before, the dropped one was named too
+    assert verify_store(store.path) == (10, [])
+    _expect(store, np.arange(10, 20))
+
+
+def test_a_shard_whose_background_task_cannot_start_is_completed_by_the_next_try(store, monkeypatch):
+    from torchforge.features import writer as wmod
+    from torchforge.features.inspect import verify_store
+
+    w = store.writer()
+    ids = np.arange(500)
+    w.write(ids, **_rows(ids))
+    real = wmod.ThreadPoolExecutor
+
+    def no_thread(*a, **k):
+        raise RuntimeError("can't start new thread (injected)")
+
+    monkeypatch.setattr(wmod, "ThreadPoolExecutor", no_thread)
+    with pytest.raises(RuntimeError, match="injected"):
+        w.commit()  # the shard's bytes were all written; only its fsync could not be started
+    monkeypatch.setattr(wmod, "ThreadPoolExecutor", real)
+    assert w.commit() == 1  # before: the retry wrote the columns again over the held bytes: a corrupt shard
+    assert verify_store(store.path) == (500, [])
+    _expect(store, np.random.default_rng(7).permutation(ids))
+
+
 def test_abort_removes_the_shard_being_streamed(tmp_path):
     store = FeatureStore(tmp_path / "fs", WIDE, create=True)
     w = store.writer()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -32,6 +33,8 @@ from torchforge.checkpoint.writer import FilePlan, crash_point, plan_group, writ
 from torchforge.errors import CheckpointError, TorchforgeError
 from torchforge.formats.safetensors import fsync_dir, load_safetensors
 from torchforge.sizes import parse_size
+
+_log = logging.getLogger("torchforge.checkpoint")
 
 __all__ = ["Checkpointer"]
 
@@ -169,7 +172,10 @@ class Checkpointer:
                 flight: a second one waits for the first. ``wait()`` joins it.
 
         Raises:
-            CheckpointError: a previous non-blocking save failed, or the state cannot be stored.
+            CheckpointError: a previous non-blocking save failed, or the state cannot be stored (nothing
+                of this step was committed). When the step was committed but something after it failed
+                (the folder's fsync, the export, pruning older steps) the error has ``installed=True``
+                and says so: the step is listed and restores.
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step={step!r} must be an int >= 0")
@@ -291,11 +297,15 @@ class Checkpointer:
         if export_to is not None and "model" in state:
             try:
                 self._export(step, export_to, self.max_shard_size, overwrite=True)
-            except CheckpointError as e:  # the step is committed: prune as after any commit, then say so
-                failed = CheckpointError(f"step {step} was committed, but its export failed: {e.reason}",
-                                         path=e.path)
-                failed.__cause__ = e
-        self._prune(step, recycle=self.recycle and self.direct_io)
+            except (TorchforgeError, OSError) as e:  # the step is committed: prune as after any commit
+                failed = _after_commit(f"step {step} was committed, but its export failed: {e}",
+                                       getattr(e, "path", None) or str(export_to), e)
+        try:
+            self._prune(step, recycle=self.recycle and self.direct_io)
+        except CheckpointError as e:
+            if failed is not None:
+                e.__context__ = failed  # (shown with the traceback: both failures)
+            raise
         if failed is not None:
             raise failed
 
@@ -350,10 +360,8 @@ class Checkpointer:
         try:
             fsync_dir(self.root)
         except OSError as e:
-            err = CheckpointError(f"{os.path.basename(final)} is in place, but the checkpoint folder could not "
-                                  f"be fsynced ({e}): it may not survive a crash; save it again", path=self.root)
-            err.installed = True  # (the distributed commit lets the other ranks see the step)
-            raise err from e
+            raise _after_commit(f"{os.path.basename(final)} is in place, but the checkpoint folder could not be "
+                                f"fsynced ({e}): it may not survive a crash; save it again", self.root, e) from e
 
     def _prune(self, step: int, recycle: bool = False) -> None:
         """Delete all but the ``keep_last`` most recently committed steps (by commit, not step number: a
@@ -364,15 +372,23 @@ class Checkpointer:
         if not self.keep_last:
             return
         try:
-            steps = self.steps()
-            order = sorted(steps, key=lambda s: (self._commit_time(s, strict=True), s))
-            for s in order[:-self.keep_last]:
-                if s != step:
-                    self._discard(self.path(s), recycle)
-                    recycle = False
+            others = [s for s in self.steps() if s != step]
+            if len(others) < self.keep_last:
+                return
+            times, unread = {}, []
+            for s in others:
+                try:
+                    times[s] = self._commit_time(s, strict=True)
+                except OSError as e:  # kept, and not counted: what cannot be read is never deleted
+                    unread.append(s)
+                    _log.warning("not pruning step %d: its manifest cannot be read (%s)", s, e)
+            order = sorted(times, key=lambda s: (times[s], s))
+            for s in order[:max(0, len(order) - (self.keep_last - 1))]:
+                self._discard(self.path(s), recycle)
+                recycle = False
         except OSError as e:
-            raise CheckpointError(f"step {step} was committed, but pruning the steps before it failed: {e}",
-                                  path=getattr(e, "filename", None) or self.root) from e
+            raise _after_commit(f"step {step} was committed, but pruning the steps before it failed: {e}",
+                                getattr(e, "filename", None) or self.root, e) from e
 
     def _discard(self, folder: str, recycle: bool = False) -> None:
         """Make a step invisible at once (rename), then delete its files, or with ``recycle`` keep them as
@@ -712,6 +728,15 @@ def _renameat2() -> Any:
 
 _renameat2_fn = _renameat2()
 _AT_FDCWD = -100
+
+
+def _after_commit(reason: str, path: str, cause: BaseException) -> CheckpointError:
+    """The error of something that failed after a step was committed: ``installed`` is True (the step is
+    listed and restores; the distributed commit lets the other ranks see it)."""
+    err = CheckpointError(reason, path=path)
+    err.installed = True
+    err.__cause__ = cause
+    return err
 
 
 def exchange_paths(a: str, b: str) -> bool:

@@ -35,8 +35,9 @@ def export_model(names: dict[str, tuple[list[int], torch.dtype]], get: Callable[
         The folder.
 
     Raises:
-        CheckpointError: ``folder`` exists (without ``overwrite``) or a write failed; nothing is left half
-            written.
+        CheckpointError: ``folder`` exists (without ``overwrite``) or a write failed: nothing is left half
+            written, and a previous export stays in place; or the new export is in place but its parent
+            folder could not be fsynced (the message says so).
     """
     from torchforge.checkpoint.checkpointer import exchange_paths
     from torchforge.checkpoint.distributed import host_name
@@ -45,11 +46,11 @@ def export_model(names: dict[str, tuple[list[int], torch.dtype]], get: Callable[
     if os.path.exists(folder) and not overwrite:
         raise CheckpointError("the export folder exists: pass overwrite=True to replace it", path=folder)
     parent = os.path.dirname(folder)
-    os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(folder)}.tmp-h{host_name()}-p{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.mkdir(tmp)
     try:
+        os.makedirs(parent, exist_ok=True)
+        _remove(tmp)
+        os.mkdir(tmp)
         sizes = {n: torch.empty(0, dtype=dt).element_size() * _numel(shape) for n, (shape, dt) in names.items()}
         groups = split_by_size({n: _Sized(sizes[n]) for n in names}, max_shard)  # type: ignore[arg-type]
         total = len(groups)
@@ -88,7 +89,7 @@ def export_model(names: dict[str, tuple[list[int], torch.dtype]], get: Callable[
                 raise
             tmp = old
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         if isinstance(e, OSError):
             raise CheckpointError(f"export failed, the previous export (if any) is in place: {e}",
                                   path=folder) from e
@@ -99,8 +100,19 @@ def export_model(names: dict[str, tuple[list[int], torch.dtype]], get: Callable[
         raise CheckpointError(f"the export is in place, but {parent} could not be fsynced ({e}): it may not "
                               "survive a crash", path=folder) from e
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # the previous export, if there was one
+        _remove(tmp)  # the previous export, if there was one
     return folder
+
+
+def _remove(path: str) -> None:
+    """Remove a folder, or a link or file (a previous export that was a symlink, swapped out), if present."""
+    if os.path.islink(path) or os.path.isfile(path):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class _Sized:

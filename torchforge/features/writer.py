@@ -296,13 +296,14 @@ class FeatureWriter:
             write_all(shard.fd, [memoryview(head)], 0)
             entry = ShardEntry(f"{SHARDS}/{self.name}-{self._shard_no}.safetensors",
                                self._data_start + shard.sums.nbytes, n, shard.sums.hexdigest(head))
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="torchforge-feature-writer")
+            self._pending.append(self._pool.submit(_finish, shard.fd, shard.tmp,
+                                                   os.path.join(self.root, entry.file)))
         except BaseException:  # bytes written past the end are written over by the next try
             shard.held = bytearray(held)  # a copy: a view of the old one may live on in the traceback
             shard.sums.rollback(mark)
             raise
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="torchforge-feature-writer")
-        self._pending.append(self._pool.submit(_finish, shard.fd, shard.tmp, os.path.join(self.root, entry.file)))
         self._written.append((entry, ids))
         self._shard_no += 1
         self._open = None
@@ -410,12 +411,12 @@ class FeatureWriter:
         except OSError:
             pass  # a shard that failed to complete was removed by its own task
         self._pending = []
-        for e, _ in self._written:
+        written, self._written = self._written, []  # forgotten first: no later commit may name them
+        for e, _ in written:
             try:
                 os.unlink(os.path.join(self.root, e.file))
-            except FileNotFoundError:
-                pass
-        self._written = []
+            except OSError:
+                pass  # (gone already, or left as a file no manifest names, which readers never look at)
 
     def close(self) -> None:
         """Abort what is not committed; the writer takes no more rows."""
