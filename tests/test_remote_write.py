@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
@@ -39,13 +40,17 @@ INTEROP = os.path.join(HERE, "fixtures", "interop")
 
 
 class Proxy:
-    """Forwards every request to ``upstream`` and records it; ``fail(method, path, nth_put)`` returns a
-    status to answer a PUT with instead (None forwards it)."""
+    """Forwards every request to ``upstream`` and records it; ``fail(path, nth_put)`` returns a status to
+    answer a PUT with instead (None forwards it); ``deny(method, path)`` the same for any request;
+    ``lose(method, path)`` returns ``(seconds, status)``: wait, forward, then answer ``status`` instead of
+    the server's reply (the object is stored, the client sees a failure) or the reply if it is None."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.split("://", 1)[1]
         self.requests: list[tuple[str, str, int]] = []  # (method, path, status), in arrival order
         self.fail: Callable[[str, int], int | None] | None = None
+        self.deny: Callable[[str, str], int | None] | None = None
+        self.lose: Callable[[str, str], tuple[float, int | None]] | None = None
         self.lock = threading.Lock()
         proxy = self
 
@@ -68,19 +73,27 @@ class Proxy:
                 n = int(self.headers.get("Content-Length") or 0)
                 return self.rfile.read(n) if n else None
 
+            def _error(self, status: int) -> None:
+                msg = b"<Error><Code>InternalError</Code></Error>"
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(msg)))
+                self.end_headers()
+                self.wfile.write(msg)
+
             def _forward(self) -> None:
                 body = self._body()
                 with proxy.lock:
                     puts = sum(m == "PUT" for m, _, _ in proxy.requests)
                     status = proxy.fail(self.path, puts) if self.command == "PUT" and proxy.fail else None
+                    if status is None and proxy.deny:
+                        status = proxy.deny(self.command, self.path)
+                    delay, lost = proxy.lose(self.command, self.path) if proxy.lose else (0.0, None)
+                if delay:
+                    time.sleep(delay)
                 if status is not None:
                     with proxy.lock:
                         proxy.requests.append((self.command, self.path, status))
-                    msg = b"<Error><Code>InternalError</Code></Error>"
-                    self.send_response(status)
-                    self.send_header("Content-Length", str(len(msg)))
-                    self.end_headers()
-                    self.wfile.write(msg)
+                    self._error(status)
                     return
                 headers = {k: v for k, v in self.headers.items()
                            if k.lower() not in ("connection", "transfer-encoding")}
@@ -92,6 +105,9 @@ class Proxy:
                 data = resp.read()
                 with proxy.lock:
                     proxy.requests.append((self.command, self.path, resp.status))
+                if lost is not None:  # stored upstream; the client is told otherwise
+                    self._error(lost)
+                    return
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("connection", "transfer-encoding", "server", "date",
@@ -112,7 +128,7 @@ class Proxy:
 
     def reset(self) -> None:
         with self.lock:
-            self.requests, self.fail = [], None
+            self.requests, self.fail, self.deny, self.lose = [], None, None, None
 
     def puts(self) -> list[str]:
         """The object keys written (whole PUTs and multipart parts' objects), in the order they succeeded."""
@@ -405,3 +421,73 @@ def test_file_urls_are_local_paths(env, tmp_path, capsys):
     assert main(["verify", f"file://{dst}"]) == 0
     assert "10 samples decoded, 0 problems" in capsys.readouterr().out
     shutil.rmtree(dst)
+
+
+# -- failures the client cannot see the end of -------------------------------------------------------------
+def test_an_index_stored_though_its_put_failed_is_removed_with_the_rest(env, tmp_path):
+    src = _write_mds(tmp_path / "src", n=60)
+    url = f"s3://{BUCKET}/lost/index"
+    env.proxy.lose = lambda method, path: (0.0, 500) if method == "PUT" and "index.json" in path else (0.0, None)
+    with pytest.raises(RemoteError) as e:
+        convert(src, url, to="mds", cache_dir=env.cache, storage_options=env.opts, size_limit=16384)
+    assert e.value.url == f"{url}/index.json"
+    env.proxy.lose = None
+    assert env.keys("lost/index") == []  # before: index.json stayed, naming shards that were removed
+
+
+def test_an_interrupt_while_the_index_is_in_flight_leaves_nothing_behind(env, tmp_path):
+    import signal
+
+    src = _write_mds(tmp_path / "src", n=60)
+    url = f"s3://{BUCKET}/lost/interrupt"
+    env.proxy.lose = lambda method, path: (2.0, None) if method == "PUT" and "index.json" in path else (0.0, None)
+    timer = threading.Timer(0.0, lambda: None)
+
+    def on_file(u, size):  # once a shard is in, Ctrl-C (a real SIGINT) while the index is on its way
+        nonlocal timer
+        if u.endswith(".mds") and not timer.is_alive() and not timer.finished.is_set():
+            timer = threading.Timer(1.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+            timer.start()
+
+    from torchforge.remote.upload import upload
+
+    local = tmp_path / "mds"
+    convert(src, str(local), to="mds", size_limit=16384)
+    with pytest.raises(KeyboardInterrupt):
+        upload(local, url, cache_dir=env.cache, storage_options=env.opts, on_file=on_file)
+    timer.join()
+    time.sleep(2.5)  # a PUT left in flight (the fetcher finishes what it was handed) has landed by now
+    env.proxy.lose = None
+    assert env.keys("lost/interrupt") == []  # before: the index landed after the shards were removed
+
+
+def test_a_refused_listing_is_an_access_error_at_once_not_retried(env, tmp_path):
+    src = _write_mds(tmp_path / "src", n=5)
+    env.proxy.deny = lambda method, path: 403 if method == "GET" and "list-type" in path else None
+    with pytest.raises(RemoteAccessError, match="access denied"):
+        convert(src, f"s3://{BUCKET}/denied/x", to="mds", cache_dir=env.cache, storage_options=env.opts)
+    assert sum(m == "GET" for m, _, _ in env.proxy.requests) == 1  # before: 7 (six retries of a 403)
+
+
+def test_a_jinx_dataset_missing_a_shard_of_its_chain_is_refused_not_read_short(env, tmp_path):
+    from torchforge.errors import FormatError
+
+    local = tmp_path / "jx"
+    convert(os.path.join(INTEROP, "mds-streaming-none"), str(local), to="jinx", shard_size=4096,
+            binary_threshold=64)
+    names = sorted(os.listdir(local))
+    shards = [n for n in names if n.endswith(".jinx")]
+    assert len(shards) >= 3
+    for case, leave_out in (("uploading", shards[-1]), ("lone-last", None)):
+        keep = [n for n in names if n != leave_out] if leave_out else [shards[-1]]
+        for n in keep:  # what a reader lists while the last shard is on its way, or after a failed cleanup
+            env.s3.upload_file(str(local / n), BUCKET, f"chain/{case}/{n}")
+        with pytest.raises(FormatError, match="the dataset is incomplete") as e:
+            torchforge.open_dataset(f"s3://{BUCKET}/chain/{case}", cache_dir=tmp_path / f"read-{case}",
+                                    storage_options=env.opts)
+        assert e.value.path.startswith(f"s3://{BUCKET}/chain/{case}/shard-")
+    for n in names:  # the whole dataset opens
+        env.s3.upload_file(str(local / n), BUCKET, f"chain/whole/{n}")
+    ds = torchforge.open_dataset(f"s3://{BUCKET}/chain/whole", cache_dir=tmp_path / "read-whole",
+                                 storage_options=env.opts)
+    assert len(ds) == len(torchforge.open_dataset(str(local)))

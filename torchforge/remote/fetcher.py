@@ -30,6 +30,7 @@ import asyncio
 import hashlib
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -101,20 +102,26 @@ def _classify(e: BaseException, url: str) -> BaseException:
     text = str(e)
     if isinstance(e, (ox.GenericError, ConnectionError, TimeoutError)):
         low = text.lower()
-        if "status 404" in low or "nosuchkey" in low or "nosuchbucket" in low:
+        m = _STATUS.search(low)  # "status 403" and obstore's "non-2xx status code: 403 Forbidden"
+        status = int(m.group(1)) if m else None
+        if status == 404 or "nosuchkey" in low or "nosuchbucket" in low:
             return RemoteNotFoundError(f"no such object ({_short(e)})", url=url)
-        if "status 403" in low or "status 401" in low or "accessdenied" in low:
-            return RemoteAccessError(f"access denied ({_short(e)})", url=url)
-        if "status 412" in low or "precondition" in low:
+        if status in (401, 403) or any(code in low for code in _DENIED):
+            return RemoteAccessError(f"access denied: check the credentials (storage_options or AWS_*/"
+                                     f"GOOGLE_*/AZURE_* variables) ({_short(e)})", url=url)
+        if status == 412 or "precondition" in low:
             return _classify(ox.PreconditionError(text), url)
-        if "status 416" in low or "range not satisfiable" in low or "invalidrange" in low:
+        if status == 416 or "range not satisfiable" in low or "invalidrange" in low:
             return RemoteCorruptError(f"a range starts past the object's end: whatever points there (an index, "
                                       f"a footer) is wrong, or the object was cut short ({_short(e)})", url=url)
-        client_error = any(f"status 4{d}" in low for d in range(10)) and "status 429" not in low \
-            and "status 408" not in low
-        if not client_error:
+        if status is None or not 400 <= status < 500 or status in (408, 429):
             return _Transient(_short(e))
     return RemoteError(f"{type(e).__name__}: {_short(e)}", url=url)
+
+
+_STATUS = re.compile(r"status(?: code)?:?\s*(\d{3})\b")
+_DENIED = ("accessdenied", "invalidaccesskeyid", "signaturedoesnotmatch", "expiredtoken", "invalidtoken",
+           "authorizationfailure", "authenticationfailed")
 
 
 def _past_end(url: str, start: int, end: int, size: int) -> RemoteCorruptError:

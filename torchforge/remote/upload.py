@@ -10,12 +10,14 @@ makes the dataset whole:
   sidecar.
 - anything else (safetensors shards): every file but the last (in name order), then the last.
 
-Each object is written atomically by the store (obstore's ``put``); a failure stops the upload, removes
-the objects this upload wrote (best effort) and raises, so the destination holds no index. All object
+Each object is written atomically by the store (obstore's ``put``); a failure stops the upload, waits
+for the PUTs in flight, removes every object this upload sent (best effort; the last phase's first, as a
+PUT whose reply was lost may have stored it) and raises, so the destination holds no index. All object
 I/O goes through the node's fetcher (:mod:`torchforge.remote.client`).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
@@ -129,15 +131,22 @@ def upload(local: str | os.PathLike, url: str, *, overwrite: bool = False,
             on_file(url, os.path.getsize(local))
         return [url]
     done: list[str] = []
+    started: list[str] = []  # every object a PUT was sent for: a failed one may still have been stored
     clients = [FetcherClient(client.cache_dir) for _ in range(UPLOADS)]
+    phases = publish_phases(local)
+    last = {f"{url}/{rel}" for rel in phases[-1]} if phases else set()
     try:
-        for phase in publish_phases(local):
-            _upload_phase(clients, local, url, phase, done, storage_options, on_file)
+        for phase in phases:
+            _upload_phase(clients, local, url, phase, done, started, storage_options, on_file)
     except BaseException:
-        try:
-            client.delete(done, storage_options=storage_options)
-        except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
-            log.warning("could not remove the %d objects of the failed upload to %s: %s", len(done), url, e)
+        # the file that makes the dataset whole first (a PUT whose reply was lost may have stored it), then
+        # every other object this upload sent; no PUT is in flight any more (see _upload_phase)
+        for group in ([u for u in started if u in last], [u for u in started if u not in last]):
+            try:
+                if group:
+                    client.delete(group, storage_options=storage_options)
+            except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
+                log.warning("could not remove %d objects of the failed upload to %s: %s", len(group), url, e)
         raise
     finally:
         for c in clients:
@@ -146,10 +155,12 @@ def upload(local: str | os.PathLike, url: str, *, overwrite: bool = False,
 
 
 def _upload_phase(clients: list[FetcherClient], local: str, url: str, phase: list[str], done: list[str],
-                  storage_options: Mapping[str, Any] | None,
+                  started: list[str], storage_options: Mapping[str, Any] | None,
                   on_file: Callable[[str, int], None] | None) -> None:
     """Upload ``phase``'s files at once (one connection each, ``len(clients)`` at a time); the first
-    failure stops the files not yet started and is raised once the others have ended."""
+    failure stops the files not yet started and is raised once the others have ended. Whatever ends it
+    (a KeyboardInterrupt too), it returns or raises only after every PUT it sent has been answered: the
+    fetcher process finishes a PUT it was handed, and a cleanup that ran before would miss that object."""
     todo = iter(phase)
     lock = threading.Lock()
     failed = threading.Event()
@@ -162,6 +173,8 @@ def _upload_phase(clients: list[FetcherClient], local: str, url: str, phase: lis
                 return
             dst = f"{url}/{rel}"
             path = os.path.join(local, *rel.split("/"))
+            with lock:
+                started.append(dst)
             try:
                 info = client.put(dst, path, storage_options=storage_options)
             except BaseException:
@@ -173,8 +186,13 @@ def _upload_phase(clients: list[FetcherClient], local: str, url: str, phase: lis
                 on_file(dst, info.size)
 
     n = min(len(clients), len(phase))
-    with ThreadPoolExecutor(n, thread_name_prefix="torchforge-upload") as pool:
+    pool = ThreadPoolExecutor(n, thread_name_prefix="torchforge-upload")
+    try:
         futures = [pool.submit(work, c) for c in clients[:n]]
+        concurrent.futures.wait(futures)
+    finally:
+        failed.set()  # (after an interrupt: start nothing more)
+        pool.shutdown(wait=True)  # every PUT sent is answered before anyone cleans up
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
         raise errors[0]

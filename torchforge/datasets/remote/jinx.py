@@ -75,9 +75,13 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         kept = []
         self._ranged: list[_RangeShard | None] = []  # each kept shard's index, no map (mode="shards": on demand)
         self._footers: list[tuple[dict, int]] = []  # each kept shard's footer and where it starts
+        links: list[tuple[str, str, str]] = []  # (shard, "shard_prev" or "shard_next", the shard it names)
         for name in names:
             u, size, etag = listed[name]
             footer, foot = _jinx_footer(client, u, size, etag, self.storage_options)
+            for key in ("shard_prev", "shard_next"):
+                if isinstance(footer.get(key), str) and footer[key]:
+                    links.append((name, key, footer[key].replace("\\", "/").rsplit("/", 1)[-1]))
             count, shard_split = footer["num_samples"], footer.get("split")
             shard_split = shard_split if isinstance(shard_split, str) else None
             if split is not None and shard_split != split:
@@ -89,6 +93,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             kept.append((objs, count, shard_split))
             self._footers.append((footer, foot))
             self._ranged.append(self._ranges_of(objs, footer, foot, client) if mode == "ranges" else None)
+        _check_chain(self.url, names, links)
         self.shard_splits = [shard_split for _, _, shard_split in kept]  # from the footers
         self._remote_objs = [objs for objs, _, _ in kept]
         self._counts = [count for _, count, _ in kept]
@@ -275,6 +280,22 @@ class _LazyShards(Sequence):
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(len(self)))]
         return self.ds._jshards[k] or self.ds._shard(k)
+
+
+def _check_chain(url: str, names: list[str], links: list[tuple[str, str, str]]) -> None:
+    """Every shard a footer names as previous or next is there. A dataset being uploaded (its last shard,
+    the one that ends the chain, goes last), or one whose upload failed halfway, is refused rather than
+    read short.
+
+    Raises:
+        CorruptShardError: naming the shard whose footer points at a missing one.
+    """
+    there = set(names)
+    for name, key, target in links:
+        if target not in there:
+            raise CorruptShardError(f"the dataset is incomplete: {name}'s footer names {target} as its "
+                              f"{key.split('_')[1]} shard, which is not there (an upload still in progress or "
+                              "one that failed)", path=f"{url}/{name}")
 
 
 def _jinx_footer(client: Any, url: str, size: int, etag: str | None,
