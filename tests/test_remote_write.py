@@ -491,3 +491,18 @@ def test_a_jinx_dataset_missing_a_shard_of_its_chain_is_refused_not_read_short(e
     ds = torchforge.open_dataset(f"s3://{BUCKET}/chain/whole", cache_dir=tmp_path / "read-whole",
                                  storage_options=env.opts)
     assert len(ds) == len(torchforge.open_dataset(str(local)))
+
+
+def test_a_convert_killed_mid_upload_has_its_staging_folder_removed_by_the_next(env, tmp_path):
+    from torchforge._proc import host_name
+
+    base = os.path.join(env.cache, "uploads")
+    dead = os.path.join(base, f"convert-h{host_name()}-p999999999-abc")  # a convert SIGKILLed mid-upload
+    other_host = os.path.join(base, f"convert-h{host_name()}x-p999999999-abc")  # a shared cache's other node
+    for d in (dead, other_host):
+        os.makedirs(os.path.join(d, "dataset"))
+        with open(os.path.join(d, "dataset", "shard.00000.mds"), "wb") as f:
+            f.write(b"x" * 1000)
+    convert(_write_mds(tmp_path / "src", n=5), f"s3://{BUCKET}/staging/x", to="mds", cache_dir=env.cache,
+            storage_options=env.opts)
+    assert sorted(os.listdir(base)) == [os.path.basename(other_host)]  # before: the dead one stayed for good

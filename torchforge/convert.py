@@ -9,6 +9,8 @@ import gzip
 import io
 import logging
 import os
+import re
+import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -16,6 +18,7 @@ from typing import Any, Self
 import numpy as np
 import orjson
 
+from torchforge._proc import host_name, pid_alive
 from torchforge.errors import FormatError, TorchforgeError
 from torchforge.formats.values import BYTES_LIKE
 
@@ -365,7 +368,6 @@ def _convert(src: str, dst: str, to: str, progress: bool, remote: dict[str, Any]
 def _convert_to_url(src: str, dst: str, to: str, progress: bool, remote: dict[str, Any],
                     options: dict[str, Any]) -> ConversionStats:
     """Convert into a temporary folder under the cache folder, then publish it at ``dst``."""
-    import shutil
     import tempfile
 
     from torchforge.cache import user_cache_dir
@@ -383,7 +385,8 @@ def _convert_to_url(src: str, dst: str, to: str, progress: bool, remote: dict[st
     base = (os.path.join(os.path.abspath(os.fspath(cache_dir)), "uploads") if cache_dir is not None
             else user_cache_dir("uploads"))
     os.makedirs(base, mode=0o700, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="convert-", dir=base)
+    _drop_stale_staging(base)
+    tmp = tempfile.mkdtemp(prefix=f"convert-h{host_name()}-p{os.getpid()}-", dir=base)
     try:
         local = os.path.join(tmp, "dataset")
         stats = _convert(src, local, to, progress, remote, options)
@@ -402,6 +405,16 @@ def _convert_to_url(src: str, dst: str, to: str, progress: bool, remote: dict[st
         shutil.rmtree(tmp, ignore_errors=True)
     stats.out = dst
     return stats
+
+
+def _drop_stale_staging(base: str) -> None:
+    """Remove the staging folders of converts on this host whose process is gone (killed mid-upload: its
+    ``finally`` never ran). Another host's, on a shared cache folder, are left alone."""
+    own = re.compile(rf"convert-h{re.escape(host_name())}-p(\d+)-.+")
+    for name in os.listdir(base):
+        m = own.fullmatch(name)
+        if m and not pid_alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 
 def _upload_progress(total: int, dst: str):
