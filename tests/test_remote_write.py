@@ -469,7 +469,7 @@ def test_a_refused_listing_is_an_access_error_at_once_not_retried(env, tmp_path)
     assert sum(m == "GET" for m, _, _ in env.proxy.requests) == 1  # before: 7 (six retries of a 403)
 
 
-def test_a_jinx_dataset_missing_a_shard_of_its_chain_is_refused_not_read_short(env, tmp_path):
+def test_a_jinx_dataset_missing_the_end_of_its_chain_is_refused_not_read_short(env, tmp_path):
     from torchforge.errors import FormatError
 
     local = tmp_path / "jx"
@@ -478,19 +478,22 @@ def test_a_jinx_dataset_missing_a_shard_of_its_chain_is_refused_not_read_short(e
     names = sorted(os.listdir(local))
     shards = [n for n in names if n.endswith(".jinx")]
     assert len(shards) >= 3
-    for case, leave_out in (("uploading", shards[-1]), ("lone-last", None)):
-        keep = [n for n in names if n != leave_out] if leave_out else [shards[-1]]
-        for n in keep:  # what a reader lists while the last shard is on its way, or after a failed cleanup
-            env.s3.upload_file(str(local / n), BUCKET, f"chain/{case}/{n}")
-        with pytest.raises(FormatError, match="the dataset is incomplete") as e:
-            torchforge.open_dataset(f"s3://{BUCKET}/chain/{case}", cache_dir=tmp_path / f"read-{case}",
-                                    storage_options=env.opts)
-        assert e.value.path.startswith(f"s3://{BUCKET}/chain/{case}/shard-")
-    for n in names:  # the whole dataset opens
+    n_all = len(torchforge.open_dataset(str(local)))
+    for n in names:  # what a reader lists while the last shard, which ends the chain, is on its way
+        if n != shards[-1]:
+            env.s3.upload_file(str(local / n), BUCKET, f"chain/uploading/{n}")
+    with pytest.raises(FormatError, match="the dataset is incomplete: no shard ends its chain") as e:
+        torchforge.open_dataset(f"s3://{BUCKET}/chain/uploading", cache_dir=tmp_path / "read-uploading",
+                                storage_options=env.opts)  # before: it opened, short
+    assert e.value.path == f"s3://{BUCKET}/chain/uploading/{shards[-2]}"
+    for n in names:  # whole, and with its shards renumbered after writing (the footers name the old names)
         env.s3.upload_file(str(local / n), BUCKET, f"chain/whole/{n}")
-    ds = torchforge.open_dataset(f"s3://{BUCKET}/chain/whole", cache_dir=tmp_path / "read-whole",
-                                 storage_options=env.opts)
-    assert len(ds) == len(torchforge.open_dataset(str(local)))
+        k = int(n.split("-")[1].split(".")[0])
+        env.s3.upload_file(str(local / n), BUCKET, f"chain/renamed/shard-{k + 100:05d}.{n.rsplit('.', 1)[1]}")
+    for case in ("whole", "renamed"):
+        ds = torchforge.open_dataset(f"s3://{BUCKET}/chain/{case}", cache_dir=tmp_path / f"read-{case}",
+                                     storage_options=env.opts)
+        assert len(ds) == n_all, case
 
 
 def test_a_convert_killed_mid_upload_has_its_staging_folder_removed_by_the_next(env, tmp_path):
@@ -506,3 +509,38 @@ def test_a_convert_killed_mid_upload_has_its_staging_folder_removed_by_the_next(
     convert(_write_mds(tmp_path / "src", n=5), f"s3://{BUCKET}/staging/x", to="mds", cache_dir=env.cache,
             storage_options=env.opts)
     assert sorted(os.listdir(base)) == [os.path.basename(other_host)]  # before: the dead one stayed for good
+
+
+_S3_ERR = "Generic S3 error: Error performing {m} http://127.0.0.1:9/tf/{key} in 3ms - Server returned non-2xx status code: {s}"
+
+
+@pytest.mark.parametrize(("method", "key", "reply", "kind"), [
+    # a key that reads like a status says nothing about the reply (before: a 503 on it was "not found")
+    ("GET", "logs/status404.json", "503 Service Unavailable: <Error><Code>SlowDown</Code></Error>", "_Transient"),
+    ("PUT", "logs/status403.json", "500 Internal Server Error", "_Transient"),
+    ("GET", "notes/nosuchkey.txt", "503 Service Unavailable", "_Transient"),
+    ("GET", "status200.bin", "400 Bad Request: <Error><Code>InvalidArgument</Code></Error>", "RemoteError"),
+    # S3 sends a stalled upload 400 RequestTimeout, which its SDKs retry
+    ("PUT", "k", "400 Bad Request: <Error><Code>RequestTimeout</Code></Error>", "_Transient"),
+    ("GET", "k", "409 Conflict: <Error><Code>OperationAborted</Code></Error>", "_Transient"),
+    ("GET", "k", "403 Forbidden: <Error><Code>SignatureDoesNotMatch</Code></Error>", "RemoteAccessError"),
+    ("GET", "k", "404 Not Found: <Error><Code>NoSuchKey</Code></Error>", "RemoteNotFoundError"),
+])
+def test_obstore_errors_are_classified_by_the_reply_not_the_url(method, key, reply, kind):
+    from obstore import exceptions as ox
+
+    from torchforge.remote.fetcher import _classify
+
+    err = _classify(ox.GenericError(_S3_ERR.format(m=method, key=key, s=reply)), f"s3://tf/{key}")
+    assert type(err).__name__ == kind, err
+
+
+def test_the_fetcher_runs_in_its_own_session_so_a_terminal_ctrl_c_does_not_kill_it(env, tmp_path):
+    import psutil
+
+    env.client.list_objects(f"s3://{BUCKET}/none/", storage_options=env.opts)  # starts this cache's fetcher
+    fetchers = [p for p in psutil.Process().children() if env.cache in " ".join(p.cmdline())]
+    assert len(fetchers) == 1
+    # Ctrl-C signals the terminal's foreground process group: before, the fetcher was in the job's and
+    # died mid-request, and the upload's cleanup then raced a second fetcher re-sending the PUTs
+    assert os.getpgid(fetchers[0].pid) != os.getpgid(0) and os.getsid(fetchers[0].pid) != os.getsid(0)

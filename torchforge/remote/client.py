@@ -65,9 +65,11 @@ class FetcherClient:
                 pass
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+            # its own session: a Ctrl-C at the terminal (SIGINT to the foreground process group) stops the
+            # job, not the node's fetcher in the middle of the requests the job's cleanup waits for
             proc = subprocess.Popen([sys.executable, "-c", _SERVE, self.cache_dir],
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env,
-                                    close_fds=True)
+                                    close_fds=True, start_new_session=True)
             line = proc.stdout.readline() if proc.stdout else b""
             threading.Thread(target=proc.wait, daemon=True).start()  # reap it when it exits
             if line.strip() != b"ready":

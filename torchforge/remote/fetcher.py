@@ -101,9 +101,11 @@ def _classify(e: BaseException, url: str) -> BaseException:
                                   "the pinned one): open the dataset again", url=url)
     text = str(e)
     if isinstance(e, (ox.GenericError, ConnectionError, TimeoutError)):
-        low = text.lower()
+        low = _URL.sub(" ", text.lower())  # a key such as logs/status404.json says nothing about the reply
         m = _STATUS.search(low)  # "status 403" and obstore's "non-2xx status code: 403 Forbidden"
-        status = int(m.group(1)) if m else None
+        status = int(m.group(1) or m.group(2)) if m else None
+        if any(code in low for code in _RETRY_CODES):  # S3's 400 RequestTimeout, 503 SlowDown, ...
+            return _Transient(_short(e))
         if status == 404 or "nosuchkey" in low or "nosuchbucket" in low:
             return RemoteNotFoundError(f"no such object ({_short(e)})", url=url)
         if status in (401, 403) or any(code in low for code in _DENIED):
@@ -114,12 +116,15 @@ def _classify(e: BaseException, url: str) -> BaseException:
         if status == 416 or "range not satisfiable" in low or "invalidrange" in low:
             return RemoteCorruptError(f"a range starts past the object's end: whatever points there (an index, "
                                       f"a footer) is wrong, or the object was cut short ({_short(e)})", url=url)
-        if status is None or not 400 <= status < 500 or status in (408, 429):
+        if status not in _FINAL:
             return _Transient(_short(e))
     return RemoteError(f"{type(e).__name__}: {_short(e)}", url=url)
 
 
-_STATUS = re.compile(r"status(?: code)?:?\s*(\d{3})\b")
+_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+")
+_STATUS = re.compile(r"non-2xx status code:?\s*(\d{3})\b|\bstatus\s+(\d{3})\b")
+_FINAL = {400, 405, 411, 413, 414, 415, 422}  # client errors no retry can mend (others, as 409 or 410, are retried)
+_RETRY_CODES = ("requesttimeout", "slowdown", "throttl", "operationaborted", "serverbusy", "toomanyrequests")
 _DENIED = ("accessdenied", "invalidaccesskeyid", "signaturedoesnotmatch", "expiredtoken", "invalidtoken",
            "authorizationfailure", "authenticationfailed")
 

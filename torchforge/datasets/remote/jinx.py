@@ -283,19 +283,24 @@ class _LazyShards(Sequence):
 
 
 def _check_chain(url: str, names: list[str], links: list[tuple[str, str, str]]) -> None:
-    """Every shard a footer names as previous or next is there. A dataset being uploaded (its last shard,
-    the one that ends the chain, goes last), or one whose upload failed halfway, is refused rather than
-    read short.
+    """A dataset whose shards are chained (footers naming their previous and next shard) has the shard that
+    ends its chain: an upload puts that one last, so a listing without it is a dataset still being
+    uploaded, or one whose upload failed, and is refused rather than read short. Shards renamed after
+    writing still read, as locally; a folder holding only some of a dataset's shards is refused unless
+    it holds the last.
 
     Raises:
-        CorruptShardError: naming the shard whose footer points at a missing one.
+        CorruptShardError: naming the shard whose footer points at the missing next one.
     """
     there = set(names)
-    for name, key, target in links:
-        if target not in there:
-            raise CorruptShardError(f"the dataset is incomplete: {name}'s footer names {target} as its "
-                              f"{key.split('_')[1]} shard, which is not there (an upload still in progress or "
-                              "one that failed)", path=f"{url}/{name}")
+    ends = {name for name in names} - {name for name, key, _ in links if key == "shard_next"}
+    nexts = [(name, target) for name, key, target in links if key == "shard_next"]
+    if nexts and not ends:
+        name, target = max(nexts)
+        raise CorruptShardError(f"the dataset is incomplete: no shard ends its chain of shards ({name}'s footer "
+                                f"names {target} as the next{'' if target in there else ', which is not there'}); "
+                                "an upload still in progress, one that failed, or a folder holding only some of "
+                                "a dataset's shards", path=f"{url}/{name}")
 
 
 def _jinx_footer(client: Any, url: str, size: int, etag: str | None,
