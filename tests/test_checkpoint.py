@@ -1002,6 +1002,12 @@ def test_a_root_fsync_failing_after_the_rename_says_the_step_is_in_place(tmp_pat
         ck.save(1, model=m)
     assert e.value.installed and ck.latest() == 1  # before: "nothing was committed", yet it was
     assert os.listdir(tmp_path) == ["step-00000001"]
+    for exchange in (True, False):  # a re-save: the folder swapped in one rename, or in two
+        if not exchange:
+            monkeypatch.setattr(mod, "exchange_paths", lambda a, b: False)
+        with pytest.raises(CheckpointError, match="step-00000001 is in place") as e:
+            ck.save(1, model=m)
+        assert e.value.installed and os.listdir(tmp_path) == ["step-00000001"]  # no old copy left behind
 
 
 def test_a_prune_that_fails_is_a_checkpoint_error_and_leaves_no_hidden_step(tmp_path, monkeypatch):

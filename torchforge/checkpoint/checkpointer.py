@@ -351,8 +351,10 @@ class Checkpointer:
             except BaseException:
                 os.rename(old, final)  # the committed step comes back at once, not at the next open
                 raise
-            self._sync_installed(final)
-            shutil.rmtree(old, ignore_errors=True)
+            try:
+                self._sync_installed(final)
+            finally:  # (as after an exchange: the step saved before under that number goes either way)
+                shutil.rmtree(old, ignore_errors=True)
 
     def _sync_installed(self, final: str) -> None:
         """fsync the root after ``final`` was renamed into place; a failure is a CheckpointError with
