@@ -131,10 +131,8 @@ class Checkpointer:
             if isinstance(t, int):
                 return t
             return os.stat(folder).st_mtime_ns  # a step saved before commit times were recorded
-        except FileNotFoundError:
-            return 0
-        except OSError:
-            if strict:
+        except OSError as e:
+            if strict and not isinstance(e, FileNotFoundError):
                 raise
             return 0
         except (ValueError, AttributeError):
@@ -369,20 +367,19 @@ class Checkpointer:
         """Delete all but the ``keep_last`` most recently committed steps (by commit, not step number: a
         run rolled back to an earlier step keeps its new saves), before the save returns; with
         ``recycle`` the first one's files are kept hidden for the next save to write over. Never
-        ``step``, the one just committed; a manifest that cannot be read now stops the pruning (an
-        error saying the step was committed) rather than making its step look oldest."""
+        ``step``, the one just committed, nor a step whose manifest cannot be read now (kept, not counted,
+        a warning logged) rather than making it look oldest."""
         if not self.keep_last:
             return
         try:
             others = [s for s in self.steps() if s != step]
             if len(others) < self.keep_last:
                 return
-            times, unread = {}, []
+            times = {}
             for s in others:
                 try:
                     times[s] = self._commit_time(s, strict=True)
                 except OSError as e:  # kept, and not counted: what cannot be read is never deleted
-                    unread.append(s)
                     _log.warning("not pruning step %d: its manifest cannot be read (%s)", s, e)
             order = sorted(times, key=lambda s: (times[s], s))
             for s in order[:max(0, len(order) - (self.keep_last - 1))]:

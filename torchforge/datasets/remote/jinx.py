@@ -75,13 +75,12 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         kept = []
         self._ranged: list[_RangeShard | None] = []  # each kept shard's index, no map (mode="shards": on demand)
         self._footers: list[tuple[dict, int]] = []  # each kept shard's footer and where it starts
-        links: list[tuple[str, str, str]] = []  # (shard, "shard_prev" or "shard_next", the shard it names)
+        nexts: dict[str, str] = {}  # shard -> the base name of the next shard its footer names
         for name in names:
             u, size, etag = listed[name]
             footer, foot = _jinx_footer(client, u, size, etag, self.storage_options)
-            for key in ("shard_prev", "shard_next"):
-                if isinstance(footer.get(key), str) and footer[key]:
-                    links.append((name, key, footer[key].replace("\\", "/").rsplit("/", 1)[-1]))
+            if isinstance(footer.get("shard_next"), str) and footer["shard_next"]:
+                nexts[name] = footer["shard_next"].replace("\\", "/").rsplit("/", 1)[-1]
             count, shard_split = footer["num_samples"], footer.get("split")
             shard_split = shard_split if isinstance(shard_split, str) else None
             if split is not None and shard_split != split:
@@ -93,7 +92,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             kept.append((objs, count, shard_split))
             self._footers.append((footer, foot))
             self._ranged.append(self._ranges_of(objs, footer, foot, client) if mode == "ranges" else None)
-        _check_chain(self.url, names, links)
+        _check_chain(self.url, names, nexts)
         self.shard_splits = [shard_split for _, _, shard_split in kept]  # from the footers
         self._remote_objs = [objs for objs, _, _ in kept]
         self._counts = [count for _, count, _ in kept]
@@ -282,23 +281,21 @@ class _LazyShards(Sequence):
         return self.ds._jshards[k] or self.ds._shard(k)
 
 
-def _check_chain(url: str, names: list[str], links: list[tuple[str, str, str]]) -> None:
-    """A dataset whose shards are chained (footers naming their previous and next shard) has the shard that
-    ends its chain: an upload puts that one last, so a listing without it is a dataset still being
-    uploaded, or one whose upload failed, and is refused rather than read short. Shards renamed after
-    writing still read, as locally; a folder holding only some of a dataset's shards is refused unless
-    it holds the last.
+def _check_chain(url: str, names: list[str], nexts: dict[str, str]) -> None:
+    """A dataset whose shards are chained (footers naming their next shard) has the shard that ends its
+    chain: an upload puts that one last, so a listing without it is a dataset still being uploaded, or
+    one whose upload failed, and is refused rather than read short. Shards renamed after writing still
+    read, as locally; a folder holding only some of a dataset's shards is refused unless it holds the last.
 
     Raises:
-        CorruptShardError: naming the shard whose footer points at the missing next one.
+        CorruptShardError: naming the last shard listed and the next one its footer names.
     """
-    there = set(names)
-    ends = {name for name in names} - {name for name, key, _ in links if key == "shard_next"}
-    nexts = [(name, target) for name, key, target in links if key == "shard_next"]
-    if nexts and not ends:
-        name, target = max(nexts)
+    if nexts and len(nexts) == len(names):  # every shard names a next one: none ends the chain
+        name = max(nexts)
+        target = nexts[name]
+        missing = "" if target in names else ", which is not there"
         raise CorruptShardError(f"the dataset is incomplete: no shard ends its chain of shards ({name}'s footer "
-                                f"names {target} as the next{'' if target in there else ', which is not there'}); "
+                                f"names {target} as the next{missing}); "
                                 "an upload still in progress, one that failed, or a folder holding only some of "
                                 "a dataset's shards", path=f"{url}/{name}")
 
