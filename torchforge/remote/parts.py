@@ -4,9 +4,15 @@ file, with the parts a reader is waiting for fetched first.
 A shard that a first batch needs two samples of should not keep that batch waiting for all of its 64 MiB.
 So a download is tracked in blocks of :data:`BLOCK` bytes and fetched by the fetcher's pool of threads,
 which serves every download of the node. The blocks readers wait for (:meth:`PartScheduler.read`) come
-first, each run of them one range GET, and no other part starts while any is pending; otherwise a thread
-takes the next :data:`PART` bytes (one GET) of the oldest download, so shards still complete in the order
-they were first needed. Each GET's length is checked and its bytes written in place into the temporary
+first, each run of them one range GET; otherwise a thread takes the next :data:`PART` bytes (one GET) of
+the oldest download, so shards still complete in the order they were first needed. Blocks readers wait
+for never queue behind parts in order (:data:`URGENT_THREADS` threads take only them), but parts in order
+go on while they are in flight: in an exactly shuffled cold epoch some reader waits for some block nearly
+all the time, and holding every part in order back meanwhile left the downloads to those blocks alone
+(``benchmarks/remote.py``, cold epoch, alternating runs: 2,850-3,080 samples/s holding back, 3,120-3,490
+not; a cap of 4 parts in order, or holding back for the first 32 blocks, fell in between). The price is
+the first batch's: its blocks share the link with up to :data:`THREADS` parts in order (0.94-1.08 s to the
+first batch there, against 0.70-0.87 s holding back and MosaicML Streaming's 1.53-1.76 s). Each GET's length is checked and its bytes written in place into the temporary
 file the cache reserved; the object is renamed into the cache only once every block is there (and its
 hash, when the index records one, checks out), exactly as a one-stream download was. Readers of an
 object whose index records a hash wait for the whole object: no byte is served before it is verified.
@@ -54,6 +60,7 @@ class Download:
         self.claimed = False  # a fetch request has reported the download as its own
         self.path: str | None = None  # the object's cache file, once complete
         self.error: BaseException | None = None
+        self.changed: threading.Condition | None = None  # its readers and downloader wait here (set by the scheduler)
 
     def span(self, first: int, count: int) -> tuple[int, int]:
         """The bytes of blocks ``first`` to ``first + count - 1``."""
@@ -77,10 +84,15 @@ class PartScheduler:
 
     def __init__(self, fetch_part: Callable[[Download, int, int], Any]) -> None:
         self.fetch_part = fetch_part
+        # one lock, three kinds of waiters, each woken only by what concerns it: the pool's threads (work
+        # to take), and per download its readers and its downloader (its parts written, its end). With one
+        # condition for all, every part written woke every waiting reader of every download and every idle
+        # thread (a few dozen in an exactly shuffled cold epoch), each to take the GIL and sleep again: the
+        # cold epoch of benchmarks/remote.py made ~2,650 samples/s with that, ~2,930 without
         self.cond = threading.Condition()
+        self._pool = threading.Condition(self.cond._lock)  # type: ignore[attr-defined]
         self.active: dict[Any, Download] = {}  # oldest first
         self._threads = 0
-        self._urgent_inflight = 0
 
     # -- the downloader's side (the thread that owns the cache file) ----------------------------------
     def run(self, d: Download, fd: int) -> None:
@@ -95,9 +107,11 @@ class PartScheduler:
             if d.fd < 0:
                 d.fd = os.dup(fd)
             self._more_threads()
-            self.cond.notify_all()
+            self._pool.notify_all()
+            changed = self._changed(d)
+            changed.notify_all()  # readers waiting for the file to exist
             while d.left and d.error is None:
-                self.cond.wait()
+                changed.wait()
             if d.error is not None:
                 raise d.error.with_traceback(None)  # (one error object, raised by many threads)
 
@@ -110,14 +124,16 @@ class PartScheduler:
             if self.active.get(d.key) is d:
                 del self.active[d.key]
             self._release(d)
-            self.cond.notify_all()
+            self._changed(d).notify_all()
+            self._pool.notify_all()  # (its parts left to take are dropped)
 
     # -- readers ---------------------------------------------------------------------------------------
     def wait(self, d: Download) -> str:
         """The cache file of ``d`` once complete; raises its error once it is over (its partial file gone)."""
         with self.cond:
+            changed = self._changed(d)
             while not d.ended:
-                self.cond.wait()
+                changed.wait()
             if d.error is not None:
                 raise d.error.with_traceback(None)  # (one error object, raised by many threads)
             return d.path
@@ -128,7 +144,10 @@ class PartScheduler:
         the lock held."""
         blocks = sorted({b for s, e in ranges if e > s for b in range(s // BLOCK, (e - 1) // BLOCK + 1)})
         if not d.verified_only:
-            d.urgent.extend(b for b in blocks if d.state[b] == _TODO)
+            todo = [b for b in blocks if d.state[b] == _TODO]
+            if todo:
+                d.urgent.extend(todo)
+                self._pool.notify(len(todo))
         return blocks
 
     def read(self, d: Download, ranges: Sequence[tuple[int, int]]) -> tuple[list[bytes], str | None]:
@@ -137,7 +156,7 @@ class PartScheduler:
         and the object's cache file if it was complete by then (else None)."""
         with self.cond:
             want = self.want(d, ranges)
-            self.cond.notify_all()
+            changed = self._changed(d)
 
             def ready() -> bool:  # a failed download is reported once over (its partial file removed)
                 if d.ended:
@@ -146,7 +165,7 @@ class PartScheduler:
                         and all(d.state[b] == _DONE for b in want))
 
             while not ready():
-                self.cond.wait()
+                changed.wait()
             if d.error is not None:
                 raise d.error.with_traceback(None)  # (one error object, raised by many threads)
             if d.path is not None:
@@ -174,8 +193,8 @@ class PartScheduler:
 
     def _take(self, urgent_only: bool) -> tuple[Download, int, int, bool] | None:
         """The next GET: ``(download, first block, blocks, urgent)``. Blocks a reader waits for come first
-        (oldest download first; a run of them is one GET); else, unless ``urgent_only`` or such a GET is
-        in flight, the next :data:`PART` of the oldest download."""
+        (oldest download first; a run of them is one GET); else, unless ``urgent_only``, the next
+        :data:`PART` of the oldest download."""
         live = [d for d in self.active.values() if d.fd >= 0 and d.left and d.error is None and not d.ended]
         for d in live:
             while d.urgent:
@@ -186,7 +205,7 @@ class PartScheduler:
                         d.urgent.popleft()
                         n += 1
                     return d, b, n, True
-        if urgent_only or self._urgent_inflight:
+        if urgent_only:
             return None
         for d in live:
             while d.cursor < d.blocks and d.state[d.cursor] != _TODO:
@@ -200,12 +219,11 @@ class PartScheduler:
             with self.cond:
                 task = self._take(urgent_only)
                 while task is None:
-                    self.cond.wait()
+                    self._pool.wait()
                     task = self._take(urgent_only)
-                d, first, count, urgent = task
+                d, first, count, _urgent = task
                 d.state[first:first + count] = bytes([_TAKEN]) * count
                 d.inflight += 1
-                self._urgent_inflight += urgent
                 fd = d.fd
             s, e = d.span(first, count)
             err: BaseException | None = None
@@ -221,7 +239,6 @@ class PartScheduler:
                 err = exc
             with self.cond:
                 d.inflight -= 1
-                self._urgent_inflight -= urgent
                 if err is not None:
                     d.state[first:first + count] = bytes(count)
                     if d.error is None:
@@ -230,7 +247,13 @@ class PartScheduler:
                     d.state[first:first + count] = bytes([_DONE]) * count
                     d.left -= count
                 self._release(d)
-                self.cond.notify_all()
+                self._changed(d).notify_all()
+
+    def _changed(self, d: Download) -> threading.Condition:
+        """The condition ``d``'s readers and downloader wait on (made on first use). Call with the lock held."""
+        if d.changed is None:
+            d.changed = threading.Condition(self.cond._lock)  # type: ignore[attr-defined]
+        return d.changed
 
     def _release(self, d: Download) -> None:
         """Close the temporary file's descriptor once the download is over and nobody writes or reads it
