@@ -601,7 +601,7 @@ def main() -> None:
                f"{fig(r, 'cold'):,.0f} vs {fig(base, 'cold'):,.0f}")
         target(f"{name}: epoch-1 bytes <= Streaming's", fig(r, "bytes") <= fig(base, "bytes"),
                f"{fmt_bytes(fig(r, 'bytes'))} vs {fmt_bytes(fig(base, 'bytes'))} "
-               f"({fig(r, 'bytes') / fig(base, 'bytes'):.4f}x)")
+               f"({fig(r, 'bytes') - fig(base, 'bytes'):+,.0f} B)")
         target(f"{name}: cached samples/s >= 2x Streaming's", fig(r, "cached") >= 2 * fig(base, "cached"),
                f"{fig(r, 'cached'):,.0f} vs {fig(base, 'cached'):,.0f} ({ratio(fig(r, 'cached'), fig(base, 'cached'))})")
     if st_ref_name is None:

@@ -17,9 +17,10 @@ fetcher went away starts a new one and asks again.
 Requests and replies are the dataclasses of :mod:`torchforge.remote.messages`; the client side is
 :mod:`torchforge.remote.client`.
 
-Failures: 5xx, 429, timeouts, connection resets and truncated bodies are retried :data:`RETRIES` times
-with exponential backoff and full jitter (:data:`BACKOFF_BASE` doubling up to :data:`BACKOFF_CAP`
-seconds); every retried read is verified again (range lengths; a whole object's size and hash). A missing
+Failures: 5xx, 429, timeouts, connection resets and truncated bodies are retried with exponential backoff
+and full jitter (:data:`BACKOFF_BASE` doubling up to :data:`BACKOFF_CAP` seconds), :data:`RETRIES` times
+unless the dataset's ``storage_options`` set another budget (``max_retries``, ``retry_timeout``: see
+:mod:`torchforge.remote.url`); every retried read is verified again (range lengths; a whole object's size and hash). A missing
 object or denied access is not retried: it raises at once, naming the URL. Uploads (``put``, multipart
 above obstore's part size) retry the same way, each retry sending the whole file again; obstore's ``put``
 is atomic, so an object is either absent or complete.
@@ -63,11 +64,11 @@ from torchforge.remote.messages import (
     coalesce,
 )
 from torchforge.remote.parts import Download, PartScheduler
-from torchforge.remote.url import StoreSpec
+from torchforge.remote.url import DEFAULT_RETRIES, StoreSpec
 
 __all__ = ["BACKOFF_BASE", "BACKOFF_CAP", "IDLE_EXIT", "RETRIES", "serve"]
 
-RETRIES = 6
+RETRIES = DEFAULT_RETRIES
 IN_USE_WAIT = 60.0  # seconds a fetch waits for readers to let go of cached objects when they fill cache_limit
 BACKOFF_BASE = 0.05
 BACKOFF_CAP = 2.0
@@ -135,21 +136,48 @@ def _past_end(url: str, start: int, end: int, size: int) -> RemoteCorruptError:
 
 
 def _backoff(attempt: int) -> float:
-    return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** attempt))
+    return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** min(attempt, 30)))
 
 
-def _retrying(url: str, fn: Callable[[], Any]) -> Any:
-    for attempt in range(RETRIES + 1):
+class _Budget:
+    """The retries left to one operation: its store's ``max_retries`` and ``retry_timeout`` (counted from
+    the operation's start)."""
+
+    def __init__(self, spec: StoreSpec) -> None:
+        self.retries, self.timeout = spec.max_retries, spec.retry_timeout
+        self.start = time.monotonic()
+        self.used = 0
+
+    def pause(self) -> float | None:
+        """The backoff before the next retry (counted as made), or None once the budget is spent."""
+        if self.retries is not None and self.used >= self.retries:
+            return None
+        pause = _backoff(self.used)
+        if self.timeout is not None:
+            left = self.start + self.timeout - time.monotonic()
+            if left <= 0:
+                return None
+            pause = min(pause, left)
+        self.used += 1
+        return pause
+
+    def spent(self) -> str:
+        return f"{self.used} retries in {time.monotonic() - self.start:.1f} s"
+
+
+def _retrying(url: str, fn: Callable[[], Any], spec: StoreSpec) -> Any:
+    budget = _Budget(spec)
+    while True:
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - classified below
             err = _classify(e, url)
             if not isinstance(err, _Transient):
                 raise err from None
-            if attempt == RETRIES:
-                raise RemoteError(f"failed after {RETRIES} retries: {err}", url=url) from None
-            time.sleep(_backoff(attempt))
-    raise AssertionError("unreachable")
+            pause = budget.pause()
+            if pause is None:
+                raise RemoteError(f"failed after {budget.spent()}: {err}", url=url) from None
+            time.sleep(pause)
 
 
 def _mismatch(fd: int, size: int, hashes: dict[str, str]) -> tuple[str, str] | None:
@@ -167,10 +195,11 @@ def _mismatch(fd: int, size: int, hashes: dict[str, str]) -> tuple[str, str] | N
 class _Source:
     """Where a download's parts come from: the store, the key, and the ETag they are pinned to."""
 
-    def __init__(self, store: Any, key: str, etag: str | None) -> None:
+    def __init__(self, store: Any, key: str, etag: str | None, spec: StoreSpec) -> None:
         self.store = store
         self.key = key
         self.etag = etag
+        self.spec = spec  # (its retry budget)
 
 
 def _hasher(name: str) -> Any | None:
@@ -213,7 +242,7 @@ class _Server:
     def head(self, req: HeadRequest) -> ObjectInfo:
         import obstore
 
-        meta = _retrying(req.url, lambda: obstore.head(self.store(req.store), req.key))
+        meta = _retrying(req.url, lambda: obstore.head(self.store(req.store), req.key), req.store)
         return ObjectInfo(int(meta["size"]), meta.get("e_tag"))
 
     def ranges(self, req: RangesRequest) -> list[bytes]:
@@ -240,7 +269,8 @@ class _Server:
             return await asyncio.gather(*(one(s, e) for s, e in todo), return_exceptions=True)
 
         todo = merged
-        for attempt in range(RETRIES + 1):
+        budget = _Budget(req.store)
+        while True:
             results = asyncio.run(batch(todo))
             failed = []
             for r, res in zip(todo, results):
@@ -253,10 +283,11 @@ class _Server:
                     got[r] = res
             if not failed:
                 break
-            if attempt == RETRIES:
-                raise RemoteError(f"range reads failed after {RETRIES} retries", url=req.url)
+            pause = budget.pause()
+            if pause is None:
+                raise RemoteError(f"range reads failed after {budget.spent()}", url=req.url)
             todo = failed
-            time.sleep(_backoff(attempt))
+            time.sleep(pause)
         starts = sorted(got)
         out = []
         import bisect
@@ -304,7 +335,7 @@ class _Server:
             version = etag or f"size:{info.size}"
         key = (req.url, version)
         checked = {k: v for k, v in hashes.items() if _hasher(k) is not None}
-        source = _Source(self.store(req.store), req.key, etag)
+        source = _Source(self.store(req.store), req.key, etag, req.store)
         with self.parts.cond:
             d = self.parts.active.get(key)
             if d is not None:
@@ -384,7 +415,7 @@ class _Server:
                 raise _Transient(f"truncated body: {len(data)} of {end - start} bytes for range [{start}, {end})")
             return data
 
-        return _retrying(d.url, once)
+        return _retrying(d.url, once, src.spec)
 
     def put(self, req: PutRequest) -> ObjectInfo:
         """Upload a local file (multipart above obstore's part size); each retry starts the upload over."""
@@ -405,7 +436,7 @@ class _Server:
             with open(req.path, "rb") as f:
                 return obstore.put(store, req.key, f)
 
-        res = _retrying(req.url, once)
+        res = _retrying(req.url, once, req.store)
         return ObjectInfo(req.size, res.get("e_tag"))
 
     def list(self, req: ListRequest) -> list[tuple[str, int, str | None]]:
@@ -413,7 +444,7 @@ class _Server:
 
         store = self.store(req.store)
         prefix = req.prefix.strip("/") or None
-        metas = _retrying(req.url, lambda: obstore.list(store, prefix=prefix).collect())
+        metas = _retrying(req.url, lambda: obstore.list(store, prefix=prefix).collect(), req.store)
         return sorted((str(m["path"]), int(m["size"]), m.get("e_tag")) for m in metas)
 
     def delete(self, req: DeleteRequest) -> None:
@@ -425,11 +456,11 @@ class _Server:
         if not req.keys:
             return
         try:
-            _retrying(req.url, lambda: obstore.delete(store, list(req.keys)))
+            _retrying(req.url, lambda: obstore.delete(store, list(req.keys)), req.store)
         except RemoteNotFoundError:  # a store without bulk delete stops at the first missing key
             for key in req.keys:
                 try:
-                    _retrying(req.url, lambda key=key: obstore.delete(store, key))
+                    _retrying(req.url, lambda key=key: obstore.delete(store, key), req.store)
                 except RemoteNotFoundError:
                     pass
 

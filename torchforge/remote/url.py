@@ -8,8 +8,12 @@ Nothing here imports obstore: the caller's process must never start obstore's ru
 
 ``storage_options`` keys, the same for every scheme where they apply: ``endpoint``, ``region``,
 ``access_key_id``, ``secret_access_key``, ``session_token``, ``anonymous`` (send unsigned requests),
-``allow_http``; any other key is passed to obstore's store config as it is (``role_arn``, ``account_name``,
-``service_account_path``, ...).
+``allow_http``; ``client_options`` (obstore's: ``timeout``, ``connect_timeout``, proxies); the retry
+budget of transient failures (5xx, 429, timeouts, resets, truncated bodies), ``max_retries`` (default 6:
+about 3 s of backoff in all) and ``retry_timeout`` (seconds: go on retrying until that long has passed
+since the first attempt, as many times as it takes unless ``max_retries`` is also given), for a job that
+should wait out an outage of the store rather than stop; any other key is passed to obstore's store config
+as it is (``role_arn``, ``account_name``, ``service_account_path``, ...).
 
 For S3 the standard environment variables are read in the caller's process, when the URL is resolved,
 as the AWS SDK reads them: ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``), ``AWS_ACCESS_KEY_ID``,
@@ -27,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["REMOTE_SCHEMES", "SCHEMES", "StoreSpec", "is_remote", "split_url", "store_spec"]
+__all__ = ["DEFAULT_RETRIES", "REMOTE_SCHEMES", "SCHEMES", "StoreSpec", "is_remote", "split_url", "store_spec"]
+
+DEFAULT_RETRIES = 6  # retries of a transient failure when storage_options set no budget
 
 REMOTE_SCHEMES = ("s3", "gs", "az", "http", "https")
 SCHEMES = (*REMOTE_SCHEMES, "file")
@@ -56,13 +62,16 @@ class StoreSpec:
     """How to open the store that holds one object: plain values only, so it crosses processes.
 
     ``kind`` is the scheme; ``root`` the bucket / container / ``scheme://host`` (``/`` for ``file``);
-    ``config`` the obstore store config; ``client`` its client options.
+    ``config`` the obstore store config; ``client`` its client options; ``max_retries`` and
+    ``retry_timeout`` the retry budget of a transient failure (None: no bound of that kind).
     """
 
     kind: str
     root: str
     config: tuple[tuple[str, Any], ...] = ()
     client: tuple[tuple[str, Any], ...] = field(default=())
+    max_retries: int | None = DEFAULT_RETRIES
+    retry_timeout: float | None = None
 
 
 def split_url(url: str) -> tuple[str, str, str]:
@@ -137,7 +146,27 @@ def store_spec(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
     if extra is not None and not isinstance(extra, Mapping):
         raise ValueError(f"storage_options['client_options']={extra!r} must be a dict such as {{'timeout': '30s'}}")
     client.update(extra or {})
+    retries, timeout = _retry_budget(opts.pop("max_retries", None), opts.pop("retry_timeout", None))
     config.update(opts)
     if scheme in ("http", "https", "file"):
         config = {}
-    return StoreSpec(scheme, root, tuple(sorted(config.items())), tuple(sorted(client.items()))), key
+    return StoreSpec(scheme, root, tuple(sorted(config.items())), tuple(sorted(client.items())),
+                     retries, timeout), key
+
+
+def _retry_budget(retries: Any, timeout: Any) -> tuple[int | None, float | None]:
+    """``(max_retries, retry_timeout)`` of a :class:`StoreSpec` from the ``storage_options`` values (None:
+    not given); ValueError for a value that is not a count or a duration."""
+    if retries is not None:
+        if isinstance(retries, bool) or not isinstance(retries, (int, str)) or not str(retries).isdigit():
+            raise ValueError(f"storage_options['max_retries']={retries!r} must be a count of retries (0 or more)")
+        retries = int(retries)
+    if timeout is not None:
+        try:
+            seconds = float(timeout)
+        except (TypeError, ValueError):
+            seconds = -1.0
+        if isinstance(timeout, bool) or not 0 < seconds < float("inf"):
+            raise ValueError(f"storage_options['retry_timeout']={timeout!r} must be a number of seconds > 0")
+        return retries, seconds
+    return (DEFAULT_RETRIES if retries is None else retries), None
