@@ -89,8 +89,9 @@ class PartScheduler:
         # condition for all, every part written woke every waiting reader of every download and every idle
         # thread (a few dozen in an exactly shuffled cold epoch), each to take the GIL and sleep again: the
         # cold epoch of benchmarks/remote.py made ~2,650 samples/s with that, ~2,930 without
-        self.cond = threading.Condition()
-        self._pool = threading.Condition(self.cond._lock)  # type: ignore[attr-defined]
+        self._lock = threading.RLock()
+        self.cond = threading.Condition(self._lock)  # (callers hold it as the scheduler's lock)
+        self._pool = threading.Condition(self._lock)
         self.active: dict[Any, Download] = {}  # oldest first
         self._threads = 0
 
@@ -252,7 +253,7 @@ class PartScheduler:
     def _changed(self, d: Download) -> threading.Condition:
         """The condition ``d``'s readers and downloader wait on (made on first use). Call with the lock held."""
         if d.changed is None:
-            d.changed = threading.Condition(self.cond._lock)  # type: ignore[attr-defined]
+            d.changed = threading.Condition(self._lock)
         return d.changed
 
     def _release(self, d: Download) -> None:
