@@ -18,8 +18,8 @@ Requests and replies are the dataclasses of :mod:`torchforge.remote.messages`; t
 :mod:`torchforge.remote.client`.
 
 Failures: 5xx, 429, timeouts, connection resets and truncated bodies are retried with exponential backoff
-and full jitter (:data:`BACKOFF_BASE` doubling up to :data:`BACKOFF_CAP` seconds), :data:`RETRIES` times
-unless the dataset's ``storage_options`` set another budget (``max_retries``, ``retry_timeout``: see
+and full jitter (:data:`BACKOFF_BASE` doubling up to :data:`BACKOFF_CAP` seconds),
+:data:`~torchforge.remote.url.DEFAULT_RETRIES` times unless the dataset's ``storage_options`` set another budget (``max_retries``, ``retry_timeout``: see
 :mod:`torchforge.remote.url`); every retried read is verified again (range lengths; a whole object's size and hash). A missing
 object or denied access is not retried: it raises at once, naming the URL. Uploads (``put``, multipart
 above obstore's part size) retry the same way, each retry sending the whole file again; obstore's ``put``
@@ -64,11 +64,10 @@ from torchforge.remote.messages import (
     coalesce,
 )
 from torchforge.remote.parts import Download, PartScheduler
-from torchforge.remote.url import DEFAULT_RETRIES, StoreSpec
+from torchforge.remote.url import StoreSpec
 
-__all__ = ["BACKOFF_BASE", "BACKOFF_CAP", "IDLE_EXIT", "RETRIES", "serve"]
+__all__ = ["BACKOFF_BASE", "BACKOFF_CAP", "IDLE_EXIT", "serve"]
 
-RETRIES = DEFAULT_RETRIES
 IN_USE_WAIT = 60.0  # seconds a fetch waits for readers to let go of cached objects when they fill cache_limit
 BACKOFF_BASE = 0.05
 BACKOFF_CAP = 2.0

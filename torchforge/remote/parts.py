@@ -9,10 +9,10 @@ the oldest download, so shards still complete in the order they were first neede
 for never queue behind parts in order (:data:`URGENT_THREADS` threads take only them), but parts in order
 go on while they are in flight: in an exactly shuffled cold epoch some reader waits for some block nearly
 all the time, and holding every part in order back meanwhile left the downloads to those blocks alone
-(``benchmarks/remote.py``, cold epoch, alternating runs: 2,850-3,080 samples/s holding back, 3,120-3,490
+(``benchmarks/remote.py``, cold epoch, alternating runs: 2,850-3,130 samples/s holding back, 2,990-3,490
 not; a cap of 4 parts in order, or holding back for the first 32 blocks, fell in between). The price is
-the first batch's: its blocks share the link with up to :data:`THREADS` parts in order (0.94-1.08 s to the
-first batch there, against 0.70-0.87 s holding back and MosaicML Streaming's 1.53-1.76 s). Each GET's length is checked and its bytes written in place into the temporary
+the first batch's: its blocks share the link with up to :data:`THREADS` parts in order (0.82-1.33 s to the
+first batch there, against 0.66-0.87 s holding back and MosaicML Streaming's 1.49-1.76 s). Each GET's length is checked and its bytes written in place into the temporary
 file the cache reserved; the object is renamed into the cache only once every block is there (and its
 hash, when the index records one, checks out), exactly as a one-stream download was. Readers of an
 object whose index records a hash wait for the whole object: no byte is served before it is verified.
@@ -192,8 +192,8 @@ class PartScheduler:
             self._threads += 1
             threading.Thread(target=self._work, args=(urgent_only,), daemon=True, name="torchforge-parts").start()
 
-    def _take(self, urgent_only: bool) -> tuple[Download, int, int, bool] | None:
-        """The next GET: ``(download, first block, blocks, urgent)``. Blocks a reader waits for come first
+    def _take(self, urgent_only: bool) -> tuple[Download, int, int] | None:
+        """The next GET: ``(download, first block, blocks)``. Blocks a reader waits for come first
         (oldest download first; a run of them is one GET); else, unless ``urgent_only``, the next
         :data:`PART` of the oldest download."""
         live = [d for d in self.active.values() if d.fd >= 0 and d.left and d.error is None and not d.ended]
@@ -205,14 +205,14 @@ class PartScheduler:
                     while d.urgent and d.urgent[0] == b + n and d.state[b + n] == _TODO:
                         d.urgent.popleft()
                         n += 1
-                    return d, b, n, True
+                    return d, b, n
         if urgent_only:
             return None
         for d in live:
             while d.cursor < d.blocks and d.state[d.cursor] != _TODO:
                 d.cursor += 1
             if d.cursor < d.blocks:
-                return d, d.cursor, d.run_from(d.cursor, max(1, PART // BLOCK)), False
+                return d, d.cursor, d.run_from(d.cursor, max(1, PART // BLOCK))
         return None
 
     def _work(self, urgent_only: bool) -> None:
@@ -222,7 +222,7 @@ class PartScheduler:
                 while task is None:
                     self._pool.wait()
                     task = self._take(urgent_only)
-                d, first, count, _urgent = task
+                d, first, count = task
                 d.state[first:first + count] = bytes([_TAKEN]) * count
                 d.inflight += 1
                 fd = d.fd
