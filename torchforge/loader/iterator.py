@@ -485,6 +485,8 @@ class WorkerIter(_Iter):
         if gone:
             self._res.workers.broadcast(Forget(gone))
         self._fill()
+        if self._sampler_done:
+            self._retire_idle()  # its exit overlaps the last batches' steps, not the end of the pass
         return batch
 
     def _collect(self) -> None:
@@ -499,11 +501,8 @@ class WorkerIter(_Iter):
         deadline = None if not timeout else time.monotonic() + timeout
         workers = self._res.workers
         while True:
-            if self._sampler_done and not self._loader.persistent_workers:
-                busy = {e[0] for e in self._tasks.values()}
-                for w in range(len(workers)):
-                    if w not in busy:
-                        workers.retire(w)  # the pass has no more work for it: let it exit now
+            if self._sampler_done:
+                self._retire_idle()
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             replies, dead = workers.poll(left)
             got = self._inbox.accept(replies)
@@ -513,6 +512,16 @@ class WorkerIter(_Iter):
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 raise RuntimeError(f"DataLoader timed out after {timeout} seconds")
+
+    def _retire_idle(self) -> None:
+        """The sampler is done: let each worker with no task left exit now (not with persistent workers)."""
+        if self._loader.persistent_workers:
+            return
+        workers = self._res.workers
+        busy = {e[0] for e in self._tasks.values()}
+        for w in range(len(workers)):
+            if w not in busy:
+                workers.retire(w)  # the pass has no more work for it
 
     def _respawn(self, w: int) -> None:
         workers = self._res.workers
