@@ -1,7 +1,6 @@
 """libc's ``mmap`` for the maps CPython's ``mmap`` module cannot make: a map that keeps no duplicate
 descriptor (the loader's slabs, see :mod:`torchforge.loader.slabs`) and a map placed at a chosen address
-inside a reserved range (the feature store's shards side by side, see :mod:`torchforge.features.reader`);
-and ``sync_file_range``, which Python does not expose (:func:`start_writeback`).
+inside a reserved range (the feature store's shards side by side, see :mod:`torchforge.features.reader`).
 """
 from __future__ import annotations
 
@@ -12,16 +11,12 @@ import mmap
 import os
 import weakref
 
-__all__ = ["HUGE_PAGE", "map_at", "reserve", "round_up", "start_writeback", "unmap_with"]
+__all__ = ["HUGE_PAGE", "map_at", "reserve", "round_up", "unmap_with"]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_sync_file_range = getattr(_libc, "sync_file_range", None)
-if _sync_file_range is not None:
-    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-_SYNC_FILE_RANGE_WRITE = 2
 _FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
@@ -31,15 +26,6 @@ HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64): a page-cache folio this
 def round_up(n: int, step: int) -> int:
     """The least multiple of ``step`` that is ``>= n``."""
     return -(-n // step) * step
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing bytes ``offset..offset+length`` of ``fd`` back to disk now, without waiting for
-    them (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so the disk works while the caller goes on
-    writing and the final ``fsync`` has little left to do. Durability still comes from that ``fsync``
-    only. Does nothing where the call is missing or the file does not take it."""
-    if _sync_file_range is not None and length > 0:
-        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # an error only forgoes the head start
 
 
 def map_at(addr: int | None, size: int, prot: int, flags: int, fd: int, what: str) -> int:

@@ -13,9 +13,7 @@ fixed, padded size. The narrow columns and ids are copied into small buffers and
 when the shard is complete (``shard_size`` bytes, or ``commit()``); then the header goes to page 0.
 The digest (:class:`torchforge.checkpoint.digest.BlockDigest` of the whole file) is finished from
 the kept page sums, so no byte is read back; the fsync and the rename from the temporary name run
-on a background thread while the writer goes on. Each piece of the stream column is handed to the disk
-as soon as it is written (``sync_file_range``, no wait), so the disk works while the rows still come in
-and the fsync at the end has little left (2 processes writing 1 GiB: 1.65-1.87 s -> 1.35-1.50 s).
+on a background thread while the writer goes on.
 
 ``commit()`` is optimistic and not a collective:
 
@@ -43,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Self
 import numpy as np
 import torch
 
-from torchforge._vmem import HUGE_PAGE, start_writeback
+from torchforge._vmem import HUGE_PAGE
 from torchforge.checkpoint.digest import PAGE, BlockDigest, PageSums
 from torchforge.errors import FormatError, TorchforgeError
 from torchforge.features.index import IdIndex, last_writes, merge, write_index
@@ -128,7 +126,6 @@ class _OpenShard:
                 views = [memoryview(self.held), data[pos:pos + take]] if held else [data[pos:pos + take]]
                 try:
                     write_all(self.fd, views, self.end)
-                    start_writeback(self.fd, self.end, stop - self.end)  # the disk starts on it now
                     for v in views:  # after the write, so a failed one leaves the sums as they were
                         self.sums.update(v)
                 finally:
