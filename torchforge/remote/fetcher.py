@@ -19,8 +19,9 @@ Requests and replies are the dataclasses of :mod:`torchforge.remote.messages`; t
 
 Failures: 5xx, 429, timeouts, connection resets and truncated bodies are retried with exponential backoff
 and full jitter (:data:`BACKOFF_BASE` doubling up to :data:`BACKOFF_CAP` seconds),
-:data:`~torchforge.remote.url.DEFAULT_RETRIES` times unless the dataset's ``storage_options`` set another budget (``max_retries``, ``retry_timeout``: see
-:mod:`torchforge.remote.url`); every retried read is verified again (range lengths; a whole object's size and hash). A missing
+:data:`~torchforge.remote.url.DEFAULT_RETRIES` times unless the dataset's ``storage_options`` set another
+budget (``max_retries``, ``retry_timeout``: see :mod:`torchforge.remote.url`); every retried read is
+verified again (range lengths; a whole object's size and hash). A missing
 object or denied access is not retried: it raises at once, naming the URL. Uploads (``put``, multipart
 above obstore's part size) retry the same way, each retry sending the whole file again; obstore's ``put``
 is atomic, so an object is either absent or complete.

@@ -12,10 +12,11 @@ all the time, and holding every part in order back meanwhile left the downloads 
 (``benchmarks/remote.py``, cold epoch, alternating runs: 2,850-3,130 samples/s holding back, 2,990-3,490
 not; a cap of 4 parts in order, or holding back for the first 32 blocks, fell in between). The price is
 the first batch's: its blocks share the link with up to :data:`THREADS` parts in order (0.82-1.33 s to the
-first batch there, against 0.66-0.87 s holding back and MosaicML Streaming's 1.49-1.76 s). Each GET's length is checked and its bytes written in place into the temporary
-file the cache reserved; the object is renamed into the cache only once every block is there (and its
-hash, when the index records one, checks out), exactly as a one-stream download was. Readers of an
-object whose index records a hash wait for the whole object: no byte is served before it is verified.
+first batch there, against 0.66-0.87 s holding back and MosaicML Streaming's 1.49-1.76 s). Each GET's
+length is checked and its bytes written in place into the temporary file the cache reserved; the object
+is renamed into the cache only once every block is there (and its hash, when the index records one,
+checks out), exactly as a one-stream download was. Readers of an object whose index records a hash wait
+for the whole object: no byte is served before it is verified.
 
 An object read in no particular order takes ``size / PART`` GETs plus one per run of blocks readers asked
 for first; its bytes are fetched once whatever the order.
