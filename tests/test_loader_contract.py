@@ -245,6 +245,26 @@ def test_iterable_shards_with_torchforges_loader():
     assert got == want and sorted(i for b in got for i in b) == data
 
 
+@pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (2, True)])
+def test_datapipe_shuffle_is_seeded_per_pass_and_sharded_over_workers_as_torchs(workers, persistent):
+    """A DataPipe's shuffle buffer is seeded from each pass's shared seed (the same in every worker, so a
+    sharding_filter after it splits one order) and sharded over the workers: the same epochs as torch's."""
+    from torch.utils.data import datapipes as dp
+
+    def epochs(make):
+        loader = make(dp.iter.IterableWrapper(range(60)).shuffle(buffer_size=16).sharding_filter(),
+                      num_workers=workers, shuffle=True, persistent_workers=persistent, batch_size=4)
+        out = []
+        for seed in (123, 123, 321):
+            torch.manual_seed(seed)
+            out.append([x for b in loader for x in b.tolist()])
+        return out
+
+    ours, theirs = epochs(DataLoader), epochs(TorchLoader)
+    assert ours == theirs
+    assert ours[0] == ours[1] != ours[2] and sorted(ours[2]) == list(range(60))
+
+
 # --- seeds -------------------------------------------------------------------------------------------------
 class _Draws(Dataset):
     def __len__(self):

@@ -347,7 +347,7 @@ class WorkerIter(_Iter):
         self._res = None
         self._stage = DeviceStage(None, False)
         super().__init__(loader)
-        self._res = Resources(loader, self._base_seed)
+        self._res = Resources(loader, self._base_seed, self._world_size, self._rank, self._shared_seed)
         self._inbox = inbox = Inbox(self._res)
         # the inbox's tables, under the names the pass works with (the same objects)
         self._tasks, self._ready, self._stale, self._decoded = inbox.tasks, inbox.ready, inbox.stale, inbox.decoded
@@ -383,7 +383,8 @@ class WorkerIter(_Iter):
         """Start worker ``w``'s pass from a dataset state, or (IterableDataset without one) ``drawn``
         samples into its iterator."""
         skip = drawn if state is None and self._iterable else 0
-        self._res.workers.send(w, NewPass(self._inbox.pass_id, dataset_state=state, skip=skip))
+        self._res.workers.send(w, NewPass(self._inbox.pass_id, dataset_state=state, skip=skip,
+                                          shared_seed=self._shared_seed))
 
     def _drop_pass(self) -> None:
         """Forget the previous pass's batches. Slabs of batches already received go back to the pool;

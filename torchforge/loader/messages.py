@@ -19,6 +19,7 @@ class NewPass:
     pass_id: int
     dataset_state: Any = None  #: passed to ``dataset.load_state_dict`` first, when not None
     skip: int = 0  #: IterableDataset: samples to draw and drop first (fast-forward without a state)
+    shared_seed: int | None = None  #: an IterDataPipe's pass seed (torch's ``_shared_seed``), else None
 
 
 @dataclass(slots=True)

@@ -36,7 +36,8 @@ class Resources:
     with ``persistent_workers``). Without pinning, the slab pool is the loader's and outlives the
     iterator: the next epoch's workers write into slabs already grown and populated."""
 
-    def __init__(self, loader: Any, base_seed: int):
+    def __init__(self, loader: Any, base_seed: int, world_size: int = 1, rank: int = 0,
+                 shared_seed: int | None = None):
         self.tasks: dict[int, list] = {}  # seq -> [worker, index, slab id (None once leased), retries]
         self.ready: dict[int, tuple[int, Reply, list]] = {}  # seq -> (worker, reply, task entry)
         self.stale: dict[int, int] = {}  # slab id -> worker: tasks of a dropped pass still running
@@ -48,7 +49,7 @@ class Resources:
                           auto_collation=loader._auto_collation, collate_fn=loader.collate_fn,
                           drop_last=loader.drop_last, on_error=loader.on_error,
                           worker_init_fn=loader.worker_init_fn, num_workers=loader.num_workers,
-                          base_seed=base_seed)
+                          base_seed=base_seed, world_size=world_size, rank=rank, shared_seed=shared_seed)
         self.workers = WorkerPool(loader.num_workers, loader._context(), spec)
         self.stop = threading.Event()  # tells the receiver thread to end
         self.threads: list[threading.Thread] = []  # the receiver thread, joined at shutdown

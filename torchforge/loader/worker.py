@@ -3,7 +3,9 @@ supervises it (see :mod:`torchforge.loader.messages` for the protocol).
 
 A worker starts as torch's does: fatal-signal handlers, one torch thread, ``random`` and torch seeded
 with ``base_seed + worker_id`` and numpy with torch's ``_generate_state(base_seed, worker_id)``,
-``torch.utils.data.get_worker_info()`` set, then ``worker_init_fn(worker_id)``; on Linux it runs as a
+``torch.utils.data.get_worker_info()`` set, then ``worker_init_fn(worker_id)``. A DataPipe is seeded and
+sharded as torch's workers do it: each pass's shufflers from the pass's shared seed (the same in every
+worker), then sharded over ``num_workers x world_size`` before ``worker_init_fn``. On Linux it runs as a
 batch job (``SCHED_BATCH``, same priority), so a worker woken by its next task does not preempt the
 training process that sent it (``worker_init_fn`` may set another policy). An exception there (or
 in a dataset's ``__iter__``) is reported with the first task, as torch does. A worker exits on its own
@@ -27,7 +29,9 @@ import numpy.random  # noqa: F401 - imported here, in the main process: a forked
 import torch  # on its first seed spends ~10 ms of every epoch's start-up on it
 import torch.utils.data._utils.worker as torch_worker
 from torch._utils import ExceptionWrapper
+from torch.utils.data import IterDataPipe, MapDataPipe
 from torch.utils.data._utils import signal_handling
+from torch.utils.data.graph_settings import apply_random_seed, apply_sharding
 
 from torchforge.loader import collate
 from torchforge.loader.fetch import Source, stateful
@@ -51,6 +55,9 @@ class WorkerSpec:
     worker_init_fn: Any
     num_workers: int
     base_seed: int
+    world_size: int = 1  #: torch.distributed's, for sharding a DataPipe across ranks and workers
+    rank: int = 0
+    shared_seed: int | None = None  #: an IterDataPipe's first-pass seed (later passes: NewPass's)
 
 
 def seed_everything(seed: int) -> None:
@@ -62,6 +69,14 @@ def seed_everything(seed: int) -> None:
     except ImportError:  # pragma: no cover - numpy is a dependency
         return
     np.random.seed(torch_worker._generate_state(seed, 0))
+
+
+def _seed_datapipe(dataset: Any, shared_seed: int | None) -> None:
+    """Seed an IterDataPipe's shufflers from the pass's shared seed, as torch's workers do."""
+    if shared_seed is not None and isinstance(dataset, IterDataPipe):
+        rng = torch.Generator()
+        rng.manual_seed(shared_seed)
+        apply_random_seed(dataset, rng)
 
 
 def _worker_main(wid: int, conn: Any, spec: WorkerSpec, parent: int) -> None:
@@ -81,11 +96,14 @@ def _worker_main(wid: int, conn: Any, spec: WorkerSpec, parent: int) -> None:
 
     np.random.seed(torch_worker._generate_state(spec.base_seed, wid))
     dataset = spec.dataset
+    _seed_datapipe(dataset, spec.shared_seed)
     torch_worker._worker_info = torch_worker.WorkerInfo(id=wid, num_workers=spec.num_workers, seed=seed,
                                                         dataset=dataset)
     where = f"in DataLoader worker process {wid}"
     init_error = None
     try:
+        if isinstance(dataset, (IterDataPipe, MapDataPipe)):  # torch's _sharding_worker_init_fn
+            apply_sharding(dataset, spec.num_workers * spec.world_size, wid * spec.world_size + spec.rank)
         if spec.worker_init_fn is not None:
             spec.worker_init_fn(wid)
     except Exception:  # noqa: BLE001 - reported with the first task, as torch does
@@ -107,6 +125,7 @@ def _worker_main(wid: int, conn: Any, spec: WorkerSpec, parent: int) -> None:
             elif isinstance(msg, NewPass):
                 if init_error is None:
                     try:
+                        _seed_datapipe(dataset, msg.shared_seed)
                         if msg.dataset_state is not None:
                             dataset.load_state_dict(msg.dataset_state)
                         source.start(msg.skip)
