@@ -403,6 +403,77 @@ def test_a_rank_whose_state_changes_shape_makes_every_rank_plan_the_save_again(t
         assert extra["t"].tolist() == [step, step + 1, step + 2]  # rank 0's extra
 
 
+def _same_state(a, b, path=""):
+    """Equal structure and values; tensors the same memory (views of the live state, not copies)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr() and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (path, list(a), list(b))
+        for k in a:
+            _same_state(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_state(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+def test_the_kept_parameter_name_map_gives_torchs_state_dicts_and_follows_the_model(tmp_path):
+    """A save keeps the map torch's state-dict functions build first (parameter -> name) while the model
+    holds the same parameters under the same names: the state is what the public functions return, and
+    a replaced parameter, a new alias or a dead model drops the map."""
+    import gc
+    import weakref
+
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from torchforge.checkpoint import distributed as tfd
+
+    ck = Checkpointer(tmp_path)
+    model, opt = _build("plain", 1)
+    _train(model, opt, 0, 1, 0)
+
+    def check(model, opt):
+        m, o = tfd._canonical_state(ck, model, opt)
+        _same_state(m, get_model_state_dict(model))
+        _same_state(o, get_optimizer_state_dict(model, opt))
+        return ck._sd_info[2]
+
+    info = check(model, opt)
+    assert check(model, opt) is info  # kept
+    model.a.weight = torch.nn.Parameter(torch.randn(7, 5))  # a new parameter object under an old name
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _train(model, opt, 1, 2, 0)
+    info2 = check(model, opt)
+    assert info2 is not info and check(model, opt) is info2
+    model.alias = model.c  # the same parameters under second names
+    assert check(model, opt) is not info2
+    ref = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    assert ref() is None and ck._sd_info is None  # the map does not keep a dropped model's parameters
+
+
+def test_rank_file_layouts_kept_across_saves_are_the_layouts_a_fresh_plan_makes():
+    from torchforge.checkpoint import distributed as tfd
+
+    def layout(files, where):
+        return [(f.name, f.head, [(off, t.data_ptr()) for off, t in f.parts], f.size) for f in files], where
+
+    cache: dict = {}
+    first = {"a": torch.randn(3, 5), "b": torch.arange(7), "c": torch.zeros(()), "d": torch.ones(4, 4)}
+    assert layout(*tfd._rank_files("rank-00001", first, 64, cache)) == layout(*tfd._rank_files("rank-00001", first, 64))
+    again = {k: v.clone() for k, v in first.items()}  # other memory, the same names, dtypes and shapes
+    kept = layout(*tfd._rank_files("rank-00001", again, 64, cache))
+    assert kept == layout(*tfd._rank_files("rank-00001", again, 64)) and len(kept[0]) > 1
+    for change in ({"b": torch.arange(8)}, {"b": torch.arange(7.0)}, {"e": torch.ones(1)}):
+        tfd._rank_files("rank-00001", again, 64, cache)  # kept, then one name, dtype or shape changes
+        other = {**again, **change}
+        assert layout(*tfd._rank_files("rank-00001", other, 64, cache)) == layout(*tfd._rank_files("rank-00001", other, 64))
+    assert layout(*tfd._rank_files("rank-00002", again, 64, cache)) == layout(*tfd._rank_files("rank-00002", again, 64))
+
+
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])
 def test_export_is_consolidated_hugging_face_safetensors(saved, kind, tmp_path):
     ref = {k.removeprefix("model."): v for k, v in load_file(saved / f"save-{kind}.safetensors").items()

@@ -32,7 +32,8 @@ position (a ``GlobalSampler``), and anything that cannot be remapped raises ``Ch
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -40,6 +41,7 @@ import re
 import shutil
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -135,6 +137,56 @@ def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     return get_optimizer_state_dict(model, optimizer)
 
 
+def _canonical_state(ck: Any, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None
+                     ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+    """``get_model_state_dict(model)`` and ``get_optimizer_state_dict(model, optimizer)``: the same
+    values, but the map of parameters to names that both begin by building (torch's ``_verify_options``,
+    about 0.6 ms each for a few hundred tensors) is built once and kept on the Checkpointer while the
+    model holds the same parameter and buffer objects under the same names. An FSDP1 model, or a torch
+    whose helpers differ, goes through the public functions every time."""
+    if model is None:
+        return None, None
+    try:
+        from torch.distributed.checkpoint import state_dict as sd
+
+        helpers = (sd._verify_options, sd._get_model_state_dict, sd._get_optim_state_dict, sd._gc_context,
+                   sd._verify_state_dict)
+    except (ImportError, AttributeError):  # another torch: the public functions
+        helpers = None
+    if helpers is None:
+        return _model_state(model), _optimizer_state(model, optimizer) if optimizer is not None else None
+    verify, get_model, get_optim, gc_context, check = helpers
+    key = ([(name, id(p)) for name, p in model.named_parameters(remove_duplicate=False)],
+           [(name, id(b)) for name, b in model.named_buffers(remove_duplicate=False)])
+    cached = getattr(ck, "_sd_info", None)
+    if cached is not None and cached[0]() is model and cached[1] == key:
+        info = cached[2]
+    else:
+        ck._sd_info = None
+        try:
+            info = verify(model, (), optim_only=False)
+        except TypeError:  # another torch's signature: the public functions
+            return _model_state(model), _optimizer_state(model, optimizer) if optimizer is not None else None
+        if not info.fsdp_modules:  # FSDP1 modules would keep the model alive through the cache
+            # The info holds the parameters (so their ids stay theirs); dropped when the model dies.
+            ck._sd_info = (weakref.ref(model, functools.partial(_forget_info, weakref.ref(ck))), key, info)
+    with gc_context():
+        model_state = get_model(model, info)
+        check(model_state, {}, info)
+        optim_state = None
+        if optimizer is not None:
+            oinfo = dataclasses.replace(info, handle_model=False, handle_optim=True)
+            optim_state = get_optim(model, (optimizer,), oinfo)
+            check({}, optim_state, oinfo)
+    return model_state, optim_state
+
+
+def _forget_info(ck_ref: Any, _model_ref: Any) -> None:
+    ck = ck_ref()
+    if ck is not None:
+        ck._sd_info = None
+
+
 # --- saving --------------------------------------------------------------------------------------------
 def _collective(what: str, fn: Callable[[], Any], where: str) -> Any:
     try:
@@ -172,7 +224,7 @@ def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, 
             mine.append((name, local, offsets, sizes))
             sharded_bytes += local.numel() * local.element_size()
             shape_of.append((name, "s", offsets + sizes, str(local.dtype)))
-    signature = hashlib.blake2b(json.dumps([world, rank, shape_of]).encode(), digest_size=8).hexdigest()
+    signature = [world, rank, shape_of]  # compared as it is: exact, and cheaper than hashing its JSON
     cached = getattr(ck, "_dist_plan", None)
     if cached is not None and cached["world"] == world:
         flag = torch.tensor([0 if cached["signature"] == signature else 1], dtype=torch.int64)
@@ -242,6 +294,7 @@ def _nbytes(shape: list[int], esize: int) -> int:
     return n
 
 
+@torch.no_grad()  # a DTensor's to_local() skips autograd: 1.2 ms less for 168 tensors
 def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any, rank_state: Any,
                      loader: Any, blocking: bool = True, export_to: Any = None) -> Callable[[], None]:
     """Plan one step on every rank (one collective) and snapshot this rank's part; returns the writer.
@@ -255,13 +308,14 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
     rank, world = rank_and_world()
     items = _Items()
     spec: dict[str, Any] = {}
-    if model is not None:
-        spec["model"] = encode(_model_state(model), "model", items)
-    if optimizer is not None:
-        if model is None:
-            raise CheckpointError("a distributed save of an optimizer needs its model (optimizer state is keyed "
-                                  "by parameter name)", path=ck.root)
-        spec["optimizer"] = encode(_optimizer_state(model, optimizer), "optim", items)
+    if optimizer is not None and model is None:
+        raise CheckpointError("a distributed save of an optimizer needs its model (optimizer state is keyed "
+                              "by parameter name)", path=ck.root)
+    model_state, optim_state = _canonical_state(ck, model, optimizer)
+    if model_state is not None:
+        spec["model"] = encode(model_state, "model", items)
+    if optim_state is not None:
+        spec["optimizer"] = encode(optim_state, "optim", items)
     extra_items = _Items()
     spec["extra"] = encode(extra, "extra", extra_items)
     owner0 = set()
@@ -281,7 +335,9 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
     for name, t in own.tensors.items():
         tensors[name] = t.full_tensor() if _is_dtensor(t) else t
     tensors = {k: (v.contiguous() if v.device.type == "cpu" else v) for k, v in tensors.items()}
-    files, by_key = _rank_files(f"rank-{rank:05d}", tensors, ck.max_shard_size)
+    if getattr(ck, "_rank_files_cache", None) is None:
+        ck._rank_files_cache = {}
+    files, by_key = _rank_files(f"rank-{rank:05d}", tensors, ck.max_shard_size, ck._rank_files_cache)
     events: list[Any] = []
     if not blocking or any(t.device.type != "cpu" for f in files for _, t in f.parts):
         events = ck._arena.stage(files, ordered=not blocking)
@@ -355,16 +411,30 @@ def _write_part(ck: Any, step: int, tmp: str, files: list[FilePlan], info: dict[
             raise CheckpointError(f"step {step} was not committed (another rank failed)", path=tmp)
 
 
-def _rank_files(prefix: str, tensors: dict[str, torch.Tensor], max_shard: int
+def _rank_files(prefix: str, tensors: dict[str, torch.Tensor], max_shard: int, cache: dict | None = None
                 ) -> tuple[list[FilePlan], dict[str, dict[str, Any]]]:
     """This rank's safetensors files (split at ``max_shard`` bytes) and where each tensor lies:
-    key -> {"file", "range": [begin, end] in the file}."""
-    files, where = [], {}
+    key -> {"file", "range": [begin, end] in the file}.
+
+    ``cache`` (a dict kept by the caller) keeps the headers and offsets of the last call: while the
+    names, dtypes and shapes stay the same (save after save of one model) they are reused, not rebuilt.
+    """
+    key = [prefix, max_shard, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]]
+    if cache is not None and cache.get("key") == key:
+        files = [FilePlan(name, head, [(off, tensors[k]) for off, k in parts], size)
+                 for name, head, parts, size in cache["files"]]
+        return files, {k: {"file": v["file"], "range": list(v["range"])} for k, v in cache["where"].items()}
+    files, where, layouts = [], {}, []
     for k, group in enumerate(split_by_size(tensors, max_shard) if tensors else []):
         f, layout = file_plan(f"{prefix}-{k:05d}.safetensors", group)
         files.append(f)
-        for key, t, off in layout:
-            where[key] = {"file": f.name, "range": [off, off + t.numel() * t.element_size()]}
+        layouts.append((f.name, f.head, [(off, name) for name, _, off in layout], f.size))
+        for name, t, off in layout:
+            where[name] = {"file": f.name, "range": [off, off + t.numel() * t.element_size()]}
+    if cache is not None:
+        cache.clear()
+        cache.update(key=key, files=layouts, where={k: {"file": v["file"], "range": list(v["range"])}
+                                                     for k, v in where.items()})
     return files, where
 
 
