@@ -91,6 +91,11 @@ class Checkpointer:
                                         thread_name_prefix="torchforge-ckpt")
         self._flusher = ThreadPoolExecutor(1, thread_name_prefix="torchforge-ckpt-flush")
         self._arena = Arena()
+        # kept across distributed saves of one model (see checkpoint.distributed): the parameter-name
+        # map of torch's state-dict functions, the save plan and this rank's file headers
+        self._sd_info: tuple | None = None
+        self._dist_plan: dict | None = None
+        self._rank_files_cache: dict = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -667,6 +672,7 @@ class Checkpointer:
         finally:
             self._drop_spares()
             self._arena = Arena()
+            self._sd_info = None  # the distributed save's parameter-name map (it holds the parameters)
             self._pool.shutdown(wait=True)
             self._flusher.shutdown(wait=True)
 

@@ -158,7 +158,7 @@ def _canonical_state(ck: Any, model: torch.nn.Module | None, optimizer: torch.op
     verify, get_model, get_optim, gc_context, check = helpers
     key = ([(name, id(p)) for name, p in model.named_parameters(remove_duplicate=False)],
            [(name, id(b)) for name, b in model.named_buffers(remove_duplicate=False)])
-    cached = getattr(ck, "_sd_info", None)
+    cached = ck._sd_info
     if cached is not None and cached[0]() is model and cached[1] == key:
         info = cached[2]
     else:
@@ -225,7 +225,7 @@ def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, 
             sharded_bytes += local.numel() * local.element_size()
             shape_of.append((name, "s", offsets + sizes, str(local.dtype)))
     signature = [world, rank, shape_of]  # compared as it is: exact, and cheaper than hashing its JSON
-    cached = getattr(ck, "_dist_plan", None)
+    cached = ck._dist_plan
     if cached is not None and cached["world"] == world:
         flag = torch.tensor([0 if cached["signature"] == signature else 1], dtype=torch.int64)
         if int(flag) == 0:  # the cached plan, checked by every rank while the state is copied
@@ -335,8 +335,6 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
     for name, t in own.tensors.items():
         tensors[name] = t.full_tensor() if _is_dtensor(t) else t
     tensors = {k: (v.contiguous() if v.device.type == "cpu" else v) for k, v in tensors.items()}
-    if getattr(ck, "_rank_files_cache", None) is None:
-        ck._rank_files_cache = {}
     files, by_key = _rank_files(f"rank-{rank:05d}", tensors, ck.max_shard_size, ck._rank_files_cache)
     events: list[Any] = []
     if not blocking or any(t.device.type != "cpu" for f in files for _, t in f.parts):
