@@ -61,11 +61,13 @@ of Streaming's (the lower of its two shuffles).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import math
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -392,6 +394,14 @@ def torchforge_maker(spec: dict) -> Callable[[], tuple[Any, Callable[[int], None
     return make
 
 
+def _streaming_shm() -> set[str]:
+    """Names in /dev/shm shaped like Streaming's shared memory (``000123_shard_states``)."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if re.fullmatch(r"\d{6}_[a-z_]+", n)}
+    except OSError:  # no /dev/shm (not Linux)
+        return set()
+
+
 def streaming_maker(spec: dict) -> Callable[[], tuple[Any, Callable[[int], None]]]:
     from streaming import StreamingDataLoader, StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
@@ -471,10 +481,17 @@ def main() -> None:
         cache = cache_dir()
         spec = {"kind": "streaming" if streaming else "torchforge", "url": url, "cache": cache,
                 "endpoint": s3.url, "batch": bs, "n": n, **spec}
+        shm_before = _streaming_shm()
         try:
             return run(name, spec, s3, n, args.budget, mapped=not streaming)
         finally:
             shutil.rmtree(cache, ignore_errors=True)
+            # A run killed at the budget cannot unlink its shared memory, and Streaming's
+            # clean_stale_shared_memory() stops at the first free prefix (000000), so it never reaches a
+            # higher one: remove what this run made (one Streaming run at a time on the machine)
+            for shm in _streaming_shm() - shm_before:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join("/dev/shm", shm))
 
     pd_default, pd_tuned = 8 * bs, 32 * bs
     try:
