@@ -1775,7 +1775,7 @@ def test_cli_inspect_and_verify_a_jinx_url_and_name_a_damaged_shard(env, tmp_pat
     assert f"DAMAGED sample 0: {url}/shard-00000.jinx: byte 0:" in out  # the URL and the byte offset
 
 
-def test_a_batch_under_a_cache_limit_maps_each_shard_once_and_thrashing_is_reported(env, tmp_path):
+def test_a_batch_under_a_cache_limit_maps_each_shard_once_or_reads_ranges_when_it_outgrows_the_cache(env, tmp_path):
     import torchforge
 
     _client, proxy, put = env
@@ -1786,10 +1786,17 @@ def test_a_batch_under_a_cache_limit_maps_each_shard_once_and_thrashing_is_repor
     shards = len(ds.metas)
     assert shards >= 4
     batch = [int(i) for i in np.random.default_rng(0).permutation(len(rows))[:24]]
-    touched = len({ds._locate(i)[0] for i in batch})
-    got = ds.__getitems__(batch)
+    touched = {ds._locate(i)[0] for i in batch}
+    need = sum(ds._stored_bytes(k) for k in touched)
+    assert need > ds.cache_limit
+    got = ds.__getitems__(batch)  # more shards than the whole cache holds: byte ranges at once, no download
     assert [int(s["id"]) for s in got] == batch and all(bytes(s["blob"]) == rows[s["id"]]["blob"] for s in got)
-    assert ds._maps_made == touched  # once per shard touched, though the batch hops between them
+    assert ds._maps_made == 0 and ds._bypass
+    roomy = torchforge.open_dataset(url, cache_dir=tmp_path / "cache2", cache_limit=need + 4096,
+                                    storage_options=_via(proxy))
+    got = roomy.__getitems__(batch)
+    assert [int(s["id"]) for s in got] == batch and all(bytes(s["blob"]) == rows[s["id"]]["blob"] for s in got)
+    assert roomy._maps_made == len(touched) and not roomy._bypass  # once per shard, though the batch hops
     order = [int(i) for i in np.random.default_rng(1).integers(0, len(rows), 12 * shards)]
     with pytest.warns(RuntimeWarning, match="mode='ranges'"):  # one sample at a time, at random: maps again and again
         ids = [int(ds[i]["id"]) for i in order]

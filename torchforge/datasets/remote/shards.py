@@ -33,6 +33,7 @@ NEXT_USE = 8  # shards named as "needed next" in each fetch request (Belady's ru
 RANGE_WASTE = 0.1  # bytes between merged ranges, as a share of the bytes a batch reads
 READERS = 8  # shards whose ranges a process reads at once (one fetcher connection each)
 BYPASS_SHARE = 0.1  # whole shards downloaded serving fewer samples than this share of one: read ranges instead
+# (0: never switch to ranges, for either reason; see _limited_batch)
 BYPASS_AFTER = 4  # downloads before that is judged
 
 
@@ -198,9 +199,10 @@ class _RemoteShards:
         When the whole shards this process downloads serve few samples each (fewer than ``BYPASS_SHARE`` of
         a shard's samples per download, judged after ``BYPASS_AFTER`` downloads: an order with no locality,
         such as an exact global shuffle, over a cache much smaller than the dataset, where the limit evicts
-        a shard before much of it is read), it stops downloading whole shards for a few samples: from then
-        on a shard it has mapped or the node has cached is read from its map, any other sample by its byte
-        ranges as in ``mode="ranges"``. Only the downloads of these batches count (a sequential pass, such
+        a shard before much of it is read), or at once when one batch needs more bytes of shards not at
+        hand than the whole ``cache_limit`` (they would evict each other inside the batch), it stops
+        downloading whole shards for a few samples: from then on a shard it has mapped or the node has
+        cached is read from its map, any other sample by its byte ranges as in ``mode="ranges"``. Only the downloads of these batches count (a sequential pass, such
         as a key pass or ``__iter__``, serves its shards whole and is not judged). The decision is left in
         the dataset's folder of the node cache under a name drawn when the dataset object was made, so the
         next epoch's workers of this dataset object start with it, and no other dataset, split or later
@@ -217,6 +219,11 @@ class _RemoteShards:
         by_shard: dict[int, list[int]] = {}
         for pos, i in enumerate(idx):
             by_shard.setdefault(self._shard_index(i), []).append(pos)
+        if self._judging and not self._bypass and BYPASS_SHARE > 0 and self._ranges_ok():
+            need = sum(self._stored_bytes(k) for k in by_shard if not self._at_hand(k))
+            if need > self.cache_limit:  # whole shards would evict each other inside this one batch
+                self._switch_to_ranges(f"one batch needs {need} bytes of shards not at hand, more than "
+                                       f"cache_limit={self.cache_limit}")
         out: list[Any] = [None] * len(idx)
         ranged: list[int] = []
         for k in sorted(by_shard):
@@ -248,12 +255,16 @@ class _RemoteShards:
         if self._bypass or before < BYPASS_AFTER or not self._ranges_ok():
             return
         if self._served / before < BYPASS_SHARE * len(self) / (len(self._first) - 1):  # type: ignore[arg-type]
-            self._bypass = True
-            with contextlib.suppress(OSError):
-                open(self._bypass_marker(), "a").close()
-            log.info("%s: the whole shards this process downloaded served %.1f samples each under "
-                     "cache_limit=%d; reading uncached shards by byte ranges", self.url, self._served / before,
-                     self.cache_limit)
+            self._switch_to_ranges(f"the whole shards this process downloaded served {self._served / before:.1f} "
+                                   f"samples each under cache_limit={self.cache_limit}")
+
+    def _switch_to_ranges(self, why: str) -> None:
+        """From now on read shards not at hand by byte ranges, and leave the decision for the next workers
+        of this dataset object."""
+        self._bypass = True
+        with contextlib.suppress(OSError):
+            open(self._bypass_marker(), "a").close()
+        log.info("%s: %s; reading uncached shards by byte ranges", self.url, why)
 
     def _ranges_ok(self) -> bool:
         """Whether every sample can be read by byte ranges (a format may say no)."""
