@@ -146,39 +146,47 @@ def _canonical_state(ck: Any, model: torch.nn.Module | None, optimizer: torch.op
     whose helpers differ, goes through the public functions every time."""
     if model is None:
         return None, None
+    info = _state_dict_info(ck, model)
+    if info is None:  # another torch: the public functions
+        return _model_state(model), _optimizer_state(model, optimizer) if optimizer is not None else None
+    from torch.distributed.checkpoint import state_dict as sd
+
+    with sd._gc_context():
+        model_state = sd._get_model_state_dict(model, info)
+        sd._verify_state_dict(model_state, {}, info)
+        optim_state = None
+        if optimizer is not None:
+            oinfo = dataclasses.replace(info, handle_model=False, handle_optim=True)
+            optim_state = sd._get_optim_state_dict(model, (optimizer,), oinfo)
+            sd._verify_state_dict({}, optim_state, oinfo)
+    return model_state, optim_state
+
+
+def _state_dict_info(ck: Any, model: torch.nn.Module) -> Any:
+    """torch's ``_StateDictInfo`` for ``model`` (kept on ``ck``, see :func:`_canonical_state`), or None
+    where this torch's private helpers are missing or take other arguments."""
     try:
         from torch.distributed.checkpoint import state_dict as sd
 
-        helpers = (sd._verify_options, sd._get_model_state_dict, sd._get_optim_state_dict, sd._gc_context,
-                   sd._verify_state_dict)
-    except (ImportError, AttributeError):  # another torch: the public functions
-        helpers = None
-    if helpers is None:
-        return _model_state(model), _optimizer_state(model, optimizer) if optimizer is not None else None
-    verify, get_model, get_optim, gc_context, check = helpers
+        for helper in ("_get_model_state_dict", "_get_optim_state_dict", "_gc_context", "_verify_state_dict"):
+            getattr(sd, helper)
+        verify = sd._verify_options
+    except (ImportError, AttributeError):
+        return None
     key = ([(name, id(p)) for name, p in model.named_parameters(remove_duplicate=False)],
            [(name, id(b)) for name, b in model.named_buffers(remove_duplicate=False)])
     cached = ck._sd_info
     if cached is not None and cached[0]() is model and cached[1] == key:
-        info = cached[2]
-    else:
-        ck._sd_info = None
-        try:
-            info = verify(model, (), optim_only=False)
-        except TypeError:  # another torch's signature: the public functions
-            return _model_state(model), _optimizer_state(model, optimizer) if optimizer is not None else None
-        if not info.fsdp_modules:  # FSDP1 modules would keep the model alive through the cache
-            # The info holds the parameters (so their ids stay theirs); dropped when the model dies.
-            ck._sd_info = (weakref.ref(model, functools.partial(_forget_info, weakref.ref(ck))), key, info)
-    with gc_context():
-        model_state = get_model(model, info)
-        check(model_state, {}, info)
-        optim_state = None
-        if optimizer is not None:
-            oinfo = dataclasses.replace(info, handle_model=False, handle_optim=True)
-            optim_state = get_optim(model, (optimizer,), oinfo)
-            check({}, optim_state, oinfo)
-    return model_state, optim_state
+        return cached[2]
+    ck._sd_info = None
+    try:
+        info = verify(model, (), optim_only=False)
+    except TypeError:  # another torch's signature
+        return None
+    if not info.fsdp_modules:  # FSDP1 modules would keep the model alive through the cache
+        # The info holds the parameters (so their ids stay theirs); dropped when the model dies.
+        ck._sd_info = (weakref.ref(model, functools.partial(_forget_info, weakref.ref(ck))), key, info)
+    return info
 
 
 def _forget_info(ck_ref: Any, _model_ref: Any) -> None:

@@ -202,8 +202,9 @@ class _RemoteShards:
         a shard before much of it is read), or at once when one batch needs more bytes of shards not at
         hand than the whole ``cache_limit`` (they would evict each other inside the batch), it stops
         downloading whole shards for a few samples: from then on a shard it has mapped or the node has
-        cached is read from its map, any other sample by its byte ranges as in ``mode="ranges"``. Only the downloads of these batches count (a sequential pass, such
-        as a key pass or ``__iter__``, serves its shards whole and is not judged). The decision is left in
+        cached is read from its map, any other sample by its byte ranges as in ``mode="ranges"``. Only the
+        downloads of these batches count (a sequential pass, such as a key pass or ``__iter__``, serves its
+        shards whole and is not judged). The decision is left in
         the dataset's folder of the node cache under a name drawn when the dataset object was made, so the
         next epoch's workers of this dataset object start with it, and no other dataset, split or later
         run does. A format gives :meth:`_at_hand` and ``_read(indices)``.
@@ -219,7 +220,8 @@ class _RemoteShards:
         by_shard: dict[int, list[int]] = {}
         for pos, i in enumerate(idx):
             by_shard.setdefault(self._shard_index(i), []).append(pos)
-        if self._judging and not self._bypass and BYPASS_SHARE > 0 and self._ranges_ok():
+        if (self._judging and not self._bypass and BYPASS_SHARE > 0 and self._ranges_ok()
+                and sum(map(self._stored_bytes, by_shard)) > self.cache_limit):  # (no I/O: the index's sizes)
             need = sum(self._stored_bytes(k) for k in by_shard if not self._at_hand(k))
             if need > self.cache_limit:  # whole shards would evict each other inside this one batch
                 self._switch_to_ranges(f"one batch needs {need} bytes of shards not at hand, more than "
@@ -255,8 +257,8 @@ class _RemoteShards:
         if self._bypass or before < BYPASS_AFTER or not self._ranges_ok():
             return
         if self._served / before < BYPASS_SHARE * len(self) / (len(self._first) - 1):  # type: ignore[arg-type]
-            self._switch_to_ranges(f"the whole shards this process downloaded served {self._served / before:.1f} "
-                                   f"samples each under cache_limit={self.cache_limit}")
+            self._switch_to_ranges(f"the whole shards this process downloaded served "
+                                   f"{self._served / before:.1f} samples each under cache_limit={self.cache_limit}")
 
     def _switch_to_ranges(self, why: str) -> None:
         """From now on read shards not at hand by byte ranges, and leave the decision for the next workers
