@@ -1,11 +1,13 @@
 """torchforge.streaming.patch(): MosaicML Streaming reading through torchforge's MDS reader."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pickle
 import shutil
 import sys
+import tempfile
 import uuid
 
 import numpy as np
@@ -24,11 +26,18 @@ from streaming.base.util import clean_stale_shared_memory
 
 @pytest.fixture(autouse=True)
 def _clean_streaming():
-    tfs.unpatch()
-    clean_stale_shared_memory()
-    yield
-    tfs.unpatch()
-    clean_stale_shared_memory()
+    """One Streaming test at a time on this machine: Streaming's shared memory is machine-wide (a prefix is
+    claimed by scanning /dev/shm, and clean_stale_shared_memory() unlinks any run's segments), and `make test`
+    runs two pytest-xdist workers. (xdist's `loadgroup` would do it, but it stopped grouping under pytest 9.2:
+    pytest-dev/pytest-xdist#1386.) The lock is not the one the benchmarks' docs name, so that a run of the
+    suite under that lock does not wait for itself."""
+    with open(os.path.join(tempfile.gettempdir(), "torchforge-streaming-tests.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        tfs.unpatch()
+        clean_stale_shared_memory()
+        yield
+        tfs.unpatch()
+        clean_stale_shared_memory()
 
 
 def _dataset(tmp_path, folder, **kw):
