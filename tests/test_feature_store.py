@@ -119,7 +119,12 @@ def test_writer_sigkilled_mid_write_leaves_last_version_intact(store, tmp_path):
     _expect(reopened, np.arange(100))
     with pytest.raises(MissingIdsError):
         reopened.get([10_000])
-    assert all(f"-{proc.pid}-" in os.path.basename(p) for p in stale_temp_files(store.path))
+    stale = stale_temp_files(store.path)
+    assert all(f"-{proc.pid}-" in os.path.basename(p) for p in stale)
+    # every file the killed writer left is a temporary file of its pid: none leaks under a final name
+    committed = {os.path.basename(e.file) for e in reopened._snap.manifest.shards}
+    assert sorted(os.path.join(store.path, "shards", n) for n in left if n not in committed) == sorted(
+        p for p in stale if os.path.dirname(p).endswith("shards"))
     w = reopened.writer()  # the next writer commits as if nothing happened
     w.write([100], **_rows([100]))
     assert w.commit() == 2
@@ -190,7 +195,7 @@ def test_schema_is_required_to_create_and_checked_on_open(tmp_path):
         FeatureStore(tmp_path / "nothing")
     FeatureStore(tmp_path / "a", SCHEMA, create=True)
     assert FeatureStore(tmp_path / "a").schema["emb"].shape == (4,)
-    with pytest.raises(ValueError, match="differs"):
+    with pytest.raises(FormatError, match="differs"):  # (a FormatError is a ValueError too)
         FeatureStore(tmp_path / "a", {"emb": ((5,), torch.float16)})
     with pytest.raises(FormatError):
         FeatureStore(tmp_path / "a", {"emb": ((5,), torch.float16)}, create=True)
@@ -866,3 +871,122 @@ def test_cli_inspect_and_verify_understand_a_store(written, capsys):
         f.write(bytes([b[0] ^ 0xFF]))
     assert main(["verify", written.path]) == 1
     assert "digest" in capsys.readouterr().out
+
+
+# --- hostile stores found by review: each a typed error naming the file, never wrong rows ----------------
+def _rewrite_manifest(store, version, fn):
+    path = os.path.join(store.path, "versions", f"v-{version:08d}.json")
+    with open(path) as f:
+        doc = json.load(f)
+    fn(doc)
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    return path
+
+
+def test_a_missing_index_is_a_typed_error_and_verify_reports_it_and_goes_on(store, capsys):
+    from torchforge.cli import main
+    from torchforge.features.inspect import verify_store
+
+    for k in range(2):
+        with store.writer() as w:
+            w.write(np.arange(k * 10, k * 10 + 10), **_rows(np.arange(k * 10, k * 10 + 10)))
+    index1 = os.path.join(store.path, FeatureStore(store.path, version=1)._snap.manifest.index.file)
+    os.unlink(index1)  # version 1's index only: version 2 stays whole
+    with pytest.raises(CorruptShardError, match="index the manifest lists is missing") as e:
+        FeatureStore(store.path, version=1)
+    assert e.value.path == index1
+    _expect(FeatureStore(store.path), np.arange(20))
+    checked, problems = verify_store(store.path)
+    assert checked == 20 and problems and all("version 1" in p and index1 in p for p in problems)
+    assert any("index the manifest lists is missing" in p for p in problems)
+    assert main(["verify", store.path]) == 1  # a report, not a traceback
+    assert "missing" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("lie", ["rows", "digits", "schema.json", "manifest schema"])
+def test_a_manifest_or_schema_that_lies_is_a_format_error_on_open(written, lie):
+    if lie == "rows":  # the index and its shard hold 50
+        path = _rewrite_manifest(written, 1, lambda d: d.update(rows=49))
+    elif lie == "digits":  # past Python's int-parsing limit: json raises a bare ValueError
+        path = os.path.join(written.path, "versions", "v-00000001.json")
+        with open(path) as f:
+            text = f.read()
+        with open(path, "w") as f:
+            f.write(text.replace('"parent": 0', '"parent": ' + "9" * 5000, 1))
+    else:  # a shape far larger than the shards': get() must not size its output from it
+        path = os.path.join(written.path, "schema.json" if lie == "schema.json" else "versions/v-00000001.json")
+        with open(path) as f:
+            doc = json.load(f)
+        (doc["columns"] if lie == "schema.json" else doc["schema"])["emb"]["shape"] = [2**39]
+        with open(path, "w") as f:
+            json.dump(doc, f)
+    with pytest.raises(FormatError) as e:
+        FeatureStore(written.path).get([1])
+    assert e.value.path in (path, os.path.join(written.path, "versions", "v-00000001.json"))
+
+
+def test_a_manifest_listing_its_shards_in_another_order_is_caught_on_read_and_by_verify(store):
+    from torchforge.features.inspect import verify_store
+
+    for k in range(2):  # two commits: ids 0..49 in shard 0, ids 100..149 in shard 1
+        with store.writer() as w:
+            w.write(np.arange(k * 100, k * 100 + 50), **_rows(np.arange(k * 100, k * 100 + 50)))
+    _expect(FeatureStore(store.path), np.r_[np.arange(50), np.arange(100, 150)])
+    _rewrite_manifest(store, 2, lambda d: d.update(shards=d["shards"][::-1]))  # each entry true, the order not
+    for batch, missing in (([100, 3], None), (list(range(50)) * 8, None), ([100, 7, 12345], 0.0)):
+        with pytest.raises(CorruptShardError, match="holds id") as e:
+            FeatureStore(store.path).get(batch, missing=missing)
+        assert os.path.basename(e.value.path).endswith(".safetensors")
+    _, problems = verify_store(store.path)
+    assert len(problems) == 1 and "version 2" in problems[0] and "holds id" in problems[0]
+
+
+def test_a_damaged_steps_field_in_the_index_is_an_error_not_ids_reported_missing(tmp_path):
+    store = FeatureStore(tmp_path / "fs", SCHEMA, create=True)
+    ids = np.arange(0, 3000, 3)  # 1,000 ids: a batch of all of them is looked up in rounds
+    with store.writer() as w:
+        w.write(ids, **_rows(ids))
+    index = os.path.join(store.path, store._snap.manifest.index.file)
+    with open(index, "r+b") as f:
+        head = f.read(4096)
+        at = head.index(b'"steps":"') + len(b'"steps":"')
+        assert head[at:at + 1] != b"0" and head[at + 1:at + 2] == b'"'  # one digit: the size stays the same
+        f.seek(at)
+        f.write(b"0")
+    reopened = FeatureStore(store.path)
+    _expect(reopened, ids[:5])  # a few ids are searched one by one and still found
+    for missing in (None, -1.0):
+        with pytest.raises(CorruptShardError, match="steps=0") as e:
+            reopened.get(ids, missing=missing)
+        assert e.value.path == index
+    with pytest.raises(MissingIdsError):  # a really missing id is still only that
+        FeatureStore(tmp_path / "fs").get(np.r_[ids[:5], [1]])
+
+
+def test_a_commit_whose_versions_fsync_fails_after_the_link_keeps_that_version_whole(store, monkeypatch):
+    from torchforge.features import writer as fw
+
+    real = fw.fsync_dir
+
+    def failing(path):
+        if os.path.basename(path) == "versions":
+            raise OSError(5, "Input/output error", path)
+        real(path)
+
+    w = store.writer()
+    w.write(np.arange(10), **_rows(np.arange(10)))
+    monkeypatch.setattr(fw, "fsync_dir", failing)
+    with pytest.raises(OSError):
+        w.commit()  # the version is published; only its durability is unknown
+    monkeypatch.setattr(fw, "fsync_dir", real)
+    v1 = FeatureStore(store.path)
+    assert v1.version == 1
+    _expect(v1, np.arange(10))
+    w.write(np.arange(10, 20), **_rows(np.arange(10, 20)))  # the same writer goes on: a new index name
+    assert w.commit() == 2
+    w.close()  # nothing of version 1 is deleted by the close's abort
+    _expect(FeatureStore(store.path, version=1), np.arange(10))
+    _expect(FeatureStore(store.path), np.arange(20))
+    from torchforge.features.inspect import verify_store
+    assert verify_store(store.path) == (30, [])

@@ -462,7 +462,7 @@ class Checkpointer:
             if not isinstance(m, dict) or m.get("format") != _FORMAT or not isinstance(m.get("files"), dict):
                 raise ValueError("not a torchforge checkpoint manifest")
             for name, e in m["files"].items():
-                if "/" in name or "\\" in name or name.startswith(".") or not isinstance(e, dict) or not (
+                if "/" in name or "\\" in name or "\x00" in name or name.startswith(".") or not isinstance(e, dict) or not (
                         isinstance(e.get("size"), int) and isinstance(e.get("digests"), list)):
                     raise ValueError(f"bad entry {name!r}: names must be plain file names with size and "
                                      "digests")
@@ -572,14 +572,21 @@ class Checkpointer:
         """:meth:`export` of a committed step, without waiting for a save in flight (it runs inside one)."""
         src = self.path(step)
         manifest = self.manifest(step)
-        if manifest.get("version") == distributed.VERSION:
-            names, get = distributed.model_tensors(src, manifest)
-        else:
-            if "model" not in self._state(src, step):
-                raise CheckpointError(f"step {step} holds no model state", path=os.path.join(src, STATE))
-            stored, get = self._group(src, "model", manifest["files"])
-            names = {n: (list(get(n).shape), get(n).dtype) for n in stored}
-        return export_model(names, get, os.fspath(folder), limit, self._pool, overwrite=overwrite)
+        try:
+            if manifest.get("version") == distributed.VERSION:
+                names, get = distributed.model_tensors(src, manifest)
+            else:
+                if "model" not in self._state(src, step):
+                    raise CheckpointError(f"step {step} holds no model state", path=os.path.join(src, STATE))
+                stored, get = self._group(src, "model", manifest["files"])
+                names = {n: (list(get(n).shape), get(n).dtype) for n in stored}
+            return export_model(names, get, os.fspath(folder), limit, self._pool, overwrite=overwrite)
+        except CheckpointError:
+            raise
+        except TorchforgeError as e:  # a damaged file of the step: its error names it and the offset
+            raise CheckpointError(f"step {step} is damaged: {e.reason}", path=e.path, offset=e.offset) from e
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise CheckpointError(f"step {step}'s manifest is damaged: {e!r}", path=os.path.join(src, MANIFEST)) from e
 
     @property
     def staging_buffer(self) -> torch.Tensor | None:
@@ -709,6 +716,8 @@ def _decode(value: Any, tensor: Any, where: str) -> Any:
     """:func:`decode`, with a malformed tagged value reported as a damaged ``state.json``."""
     try:
         return decode(value, tensor)
+    except TorchforgeError:  # a damaged tensor file: its own error names it (and the offset)
+        raise
     except (TypeError, ValueError, AttributeError, KeyError) as e:
         raise CheckpointError(f"{STATE} is damaged: cannot decode {e!r}", path=where) from e
 

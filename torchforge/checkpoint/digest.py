@@ -140,6 +140,10 @@ def verify_files(folder: str, entries: Mapping[str, Mapping[str, Any]], *, check
         if size != e["size"]:
             raise CheckpointError(f"file has {size} bytes, the manifest says {e['size']}", path=p,
                                   offset=min(size, e["size"]))
+        blocks = -(-size // BLOCK)
+        if len(e["digests"]) not in (blocks, max(blocks, 1)):  # (an empty file: one digest of nothing, or none)
+            raise CheckpointError(f"the manifest lists {len(e['digests'])} block digests for {size} bytes, which "
+                                  f"take {blocks}: it is damaged", path=p)
     if not checksums:
         return
     work = [(name, b) for name, e in entries.items() for b in range(len(e["digests"]))]

@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -50,7 +51,7 @@ import torch.distributed as dist
 
 from torchforge._proc import host_name, pid_alive
 from torchforge.checkpoint.digest import BlockDigest
-from torchforge.checkpoint.state import TensorTable, decode, encode
+from torchforge.checkpoint.state import TensorTable, decode, encode, torch_dtype
 from torchforge.checkpoint.writer import (
     FilePlan,
     crash_point,
@@ -592,6 +593,77 @@ def _global_shape(chunks: list[dict[str, Any]]) -> list[int]:
 
 
 # --- restoring ------------------------------------------------------------------------------------------
+def check_tensors(folder: str, manifest: dict[str, Any]) -> None:
+    """Check the manifest's tensor table before anything is read: every entry's shape (ints >= 0), dtype
+    (a torch dtype) and chunks (a listed file and a key each; offsets and sizes of the entry's rank, inside
+    its shape), and that the chunks tile the shape exactly: pairwise disjoint, their elements summing to
+    the shape's. So a restore never leaves part of a tensor unwritten (stale or uninitialized values)
+    nor reads a slice from outside the tensor.
+
+    Raises:
+        CheckpointError: naming ``manifest.json`` and the tensor.
+    """
+    where = os.path.join(folder, "manifest.json")
+    table, files = manifest.get("tensors"), manifest.get("files")
+    if not isinstance(table, dict) or not isinstance(files, dict):
+        raise CheckpointError("manifest.json is damaged: no 'tensors' or 'files' table", path=where)
+    for name, e in table.items():
+        why = _entry_problem(e, files)
+        if why:
+            raise CheckpointError(f"manifest.json is damaged: tensor {name!r}: {why}", path=where)
+
+
+def _entry_problem(e: Any, files: dict[str, Any]) -> str | None:
+    if not isinstance(e, dict):
+        return "its entry is not an object"
+    shape, chunks = e.get("shape"), e.get("chunks")
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**62 for d in shape):
+        return f"shape {shape!r} is not a list of ints >= 0"
+    try:
+        torch_dtype(e.get("dtype"))
+    except ValueError as ex:
+        return str(ex)
+    if not isinstance(chunks, list):
+        return "'chunks' is not a list"
+    lo, hi, total = [], [], 0
+    for c in chunks:
+        if not isinstance(c, dict) or c.get("file") not in files or not isinstance(c.get("key"), str):
+            return f"chunk {c!r} does not name a file the manifest lists and a key"
+        off, size = c.get("offsets"), c.get("sizes")
+        if not (isinstance(off, list) and isinstance(size, list) and len(off) == len(size) == len(shape)
+                and all(type(v) is int for v in off + size)):
+            return f"chunk offsets {off!r} and sizes {size!r} are not {len(shape)} ints each"
+        if any(o < 0 or z < 0 or o + z > d for o, z, d in zip(off, size, shape)):
+            return f"the chunk at offsets {off} of sizes {size} lies outside the shape {shape}"
+        n = math.prod(size)
+        if n:
+            lo.append(off)
+            hi.append([o + z for o, z in zip(off, size)])
+            total += n
+    if total != math.prod(shape) or _overlap(lo, hi, shape):
+        return (f"its {len(chunks)} chunks do not tile the shape {shape} exactly (they overlap or leave "
+                "parts out)")
+    return None
+
+
+def _overlap(lo: list[list[int]], hi: list[list[int]], shape: list[int]) -> bool:
+    """Whether any two of the boxes ``[lo, hi)`` (none empty, all inside ``shape``) overlap."""
+    if len(lo) < 2:
+        return False
+    if not shape:  # two 0-dim chunks of one element each
+        return True
+    split = [d for d in range(len(shape)) if any(a[d] != 0 or b[d] != shape[d] for a, b in zip(lo, hi))]
+    if len(split) <= 1:  # cut along one dimension at most (FSDP's Shard(0), DDP's whole tensor): intervals
+        d = split[0] if split else 0
+        spans = sorted((a[d], b[d]) for a, b in zip(lo, hi))
+        return any(b0 > a1 for (_, b0), (a1, _) in itertools.pairwise(spans))
+    for i in range(len(lo)):  # a grid or any other cut: box against box
+        for j in range(i):
+            if all(lo[i][d] < hi[j][d] and lo[j][d] < hi[i][d] for d in range(len(shape))):
+                return True
+    return False
+
+
 class _Reader:
     """Copies saved slices into target regions through mmap views, counting the bytes it touches."""
 
@@ -631,8 +703,9 @@ class _Reader:
             if src is None:
                 raise CheckpointError(f"{c['key']!r} is missing from its file", path=os.path.join(self.folder,
                                                                                                  c["file"]))
-            if list(src.shape) != list(c["sizes"]):
-                raise CheckpointError(f"{c['key']!r} has shape {list(src.shape)}, the manifest says {c['sizes']}",
+            if list(src.shape) != list(c["sizes"]) or src.dtype != torch_dtype(e["dtype"]):
+                raise CheckpointError(f"{c['key']!r} is {str(src.dtype).removeprefix('torch.')} {list(src.shape)}, "
+                                      f"the manifest says {e['dtype']} {c['sizes']}",
                                       path=os.path.join(self.folder, c["file"]))
             s = src[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, c["offsets"]))]
             d = dst[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))]
@@ -661,8 +734,7 @@ class _Reader:
 
     def whole(self, name: str, device: Any = "cpu") -> torch.Tensor:
         e = self.entry(name)
-        dtype = getattr(torch, e["dtype"])
-        out = torch.empty(e["shape"], dtype=dtype, device=device)
+        out = torch.empty(e["shape"], dtype=torch_dtype(e["dtype"]), device=device)
         if out.numel():
             self.fill(name, out, [0] * out.dim(), list(out.shape))
         return out
@@ -676,6 +748,7 @@ def restore_distributed(ck: Any, step: int, folder: str, manifest: dict[str, Any
     spec = manifest.get("spec")
     if not isinstance(spec, dict) or not isinstance(manifest.get("tensors"), dict):
         raise CheckpointError("manifest.json is damaged: no 'spec' or 'tensors' table", path=where)
+    check_tensors(folder, manifest)
     try:
         if model is not None:
             if "model" not in spec:
@@ -691,12 +764,12 @@ def restore_distributed(ck: Any, step: int, folder: str, manifest: dict[str, Any
         if loader is not None:
             loader.load_state_dict(_loader_state(folder, manifest, rank, world))
         extra = decode(spec.get("extra"), lambda name: reader.whole(name, map_location))
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise CheckpointError(f"manifest.json is damaged: {e!r}", path=where) from e
-    except TorchforgeError as e:
+    except TorchforgeError as e:  # first: a damaged file's own error (a ValueError too) names it and the offset
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"step {step} is damaged: {e.reason}", path=e.path, offset=e.offset) from e
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise CheckpointError(f"manifest.json is damaged: {e!r}", path=where) from e
     ck.last_restore = {"bytes_read": reader.bytes_read, "bytes_needed": reader.bytes_needed}
     return extra
 
@@ -707,12 +780,13 @@ def model_tensors(folder: str, manifest: dict[str, Any]
     spec = manifest.get("spec")
     if not isinstance(spec, dict) or "model" not in spec:
         raise CheckpointError("the step holds no model state", path=os.path.join(folder, "manifest.json"))
+    check_tensors(folder, manifest)
     stored = _names(spec["model"])
     reader = _Reader(folder, manifest)
     names = {}
     for key, name in stored.items():
         e = reader.entry(name)
-        names[key] = (list(e["shape"]), getattr(torch, e["dtype"]))
+        names[key] = (list(e["shape"]), torch_dtype(e["dtype"]))
     return names, lambda key: reader.whole(stored[key])
 
 
@@ -753,7 +827,7 @@ def _restore_optimizer(reader: _Reader, model: Any, optimizer: Any, spec: Any, w
         fqn = _fqn_of(name, canon)
         p = canon.get(fqn) if fqn is not None else None
         if p is not None and list(p.shape) == list(e["shape"]) and e["shape"]:
-            t = torch.empty_like(p, dtype=getattr(torch, e["dtype"]))
+            t = torch.empty_like(p, dtype=torch_dtype(e["dtype"]))
             reader.fill_like(name, t)
             return t
         return reader.whole(name, p.device if p is not None and not _is_dtensor(p) else "cpu")
@@ -772,12 +846,40 @@ def _fqn_of(name: str, canon: dict[str, Any]) -> str | None:
     return fqn if fqn in canon else None
 
 
+def _saved_world(folder: str, manifest: dict[str, Any]) -> int:
+    w = manifest.get("world_size")
+    if type(w) is not int or w < 1:
+        raise CheckpointError(f"manifest.json is damaged: world_size {w!r} is not an int >= 1",
+                              path=os.path.join(folder, "manifest.json"))
+    return w
+
+
+def _rank_info(folder: str, manifest: dict[str, Any], r: int) -> dict[str, Any]:
+    """Rank ``r``'s ``rank-<r>.json`` (listed in the manifest, so its size and digests are checked)."""
+    name = f"rank-{r:05d}.json"
+    path = os.path.join(folder, name)
+    if name not in manifest.get("files", {}):
+        raise CheckpointError(f"rank {r}'s file is not listed in the manifest", path=path)
+    try:
+        with open(path, "rb") as f:
+            info = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"rank {r}'s state is unreadable: {e}", path=path) from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"rank {r}'s state is not a JSON object", path=path)
+    return info
+
+
 def _loader_state(folder: str, manifest: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    saved_world = int(manifest["world_size"])
+    saved_world = _saved_world(folder, manifest)
     states = []
     for r in range(saved_world):
-        with open(os.path.join(folder, f"rank-{r:05d}.json"), "rb") as f:
-            states.append(json.loads(f.read())["loader"])
+        s = _rank_info(folder, manifest, r).get("loader")
+        if s is not None and not (isinstance(s, dict) and isinstance(s.get("workers", []), list)
+                                  and all(isinstance(w, dict) for w in s.get("workers", []))):
+            raise CheckpointError(f"rank {r}'s DataLoader state {s!r:.80} is not a loader's state_dict()",
+                                  path=os.path.join(folder, f"rank-{r:05d}.json"))
+        states.append(s)
     if any(s is None for s in states):
         raise CheckpointError("the step holds no DataLoader state (save with loader=)", path=folder)
     if saved_world == world:
@@ -785,7 +887,7 @@ def _loader_state(folder: str, manifest: dict[str, Any], rank: int, world: int) 
     problems = []
     for r, s in enumerate(states):
         sampler = s.get("sampler")
-        if not (isinstance(sampler, dict) and "position" in sampler) or s.get("skip_batches"):
+        if not (isinstance(sampler, dict) and "position" in sampler and "epoch" in sampler) or s.get("skip_batches"):
             problems.append(f"rank {r}'s sampler state is not elastic (use a GlobalSampler)")
         if s.get("dataset") is not None:
             problems.append(f"rank {r} holds a dataset state")
@@ -801,21 +903,36 @@ def _loader_state(folder: str, manifest: dict[str, Any], rank: int, world: int) 
 
 
 def rank_state(folder: str, manifest: dict[str, Any], rank: int, world: int, map_location: Any) -> Any:
-    """This rank's ``rank_state`` (same world size only)."""
-    saved_world = int(manifest["world_size"])
+    """This rank's ``rank_state`` (same world size only).
+
+    Raises:
+        CheckpointError: another world size, or a damaged rank file (naming it); a tensor file the rank
+            file names must be one the manifest lists (never a path outside the step).
+    """
+    saved_world = _saved_world(folder, manifest)
     if saved_world != world:
         raise CheckpointError(f"per-rank state was saved by {saved_world} ranks and cannot be given to rank "
                               f"{rank} of {world}: it is not remappable (restore at world size {saved_world}, or "
                               "rebuild it)", path=folder)
-    with open(os.path.join(folder, f"rank-{rank:05d}.json"), "rb") as f:
-        info = json.loads(f.read())
+    info = _rank_info(folder, manifest, rank)
+    where = os.path.join(folder, f"rank-{rank:05d}.json")
     files = {}
 
     def tensor(name: str) -> torch.Tensor:
         loc = info["state_tensors"][name]
-        f = files.get(loc["file"]) or files.setdefault(loc["file"], load_safetensors(os.path.join(folder,
-                                                                                              loc["file"])))
-        key = name
-        return f[key].to(map_location, copy=True)
+        file = loc["file"]
+        if not isinstance(file, str) or file not in manifest["files"]:
+            raise CheckpointError(f"tensor {name!r} is in {file!r}, a file the manifest does not list", path=where)
+        f = files.get(file) or files.setdefault(file, load_safetensors(os.path.join(folder, file)))
+        if name not in f:
+            raise CheckpointError(f"tensor {name!r} is missing from its file", path=os.path.join(folder, file))
+        return f[name].to(map_location, copy=True)
 
-    return decode(info["state"], tensor)
+    try:
+        return decode(info.get("state"), tensor)
+    except TorchforgeError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"rank {rank}'s state is damaged: {e.reason}", path=e.path, offset=e.offset) from e
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise CheckpointError(f"rank {rank}'s state is damaged: {e!r}", path=where) from e

@@ -79,6 +79,18 @@ def encode(obj: Any, path: str, table: TensorTable) -> Any:
                           "strings, bools, None, lists, tuples and dicts")
 
 
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def torch_dtype(name: Any) -> torch.dtype:
+    """The torch dtype a manifest names (``"float32"``); ValueError for anything else (never an attribute
+    of ``torch`` that is not a dtype)."""
+    d = _DTYPES.get(name) if isinstance(name, str) else None
+    if d is None:
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return d
+
+
 def decode(obj: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
     """Invert :func:`encode`; ``tensor(name)`` supplies stored tensors."""
     if isinstance(obj, list):
@@ -93,7 +105,7 @@ def decode(obj: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
             if k == "__float__":
                 return float(v)
             if k == "__dtype__":
-                return getattr(torch, v)
+                return torch_dtype(v)
             if k == "__dict__":
                 return {decode(a, tensor): decode(b, tensor) for a, b in v}
         return {k: decode(v, tensor) for k, v in obj.items()}

@@ -139,7 +139,11 @@ class IdIndex:
 
     def __init__(self, path: str, expect_rows: int, expect_bytes: int):
         self.path = path
-        with open(path, "rb") as f:
+        try:
+            f = open(path, "rb")  # noqa: SIM115 (closed by the with below)
+        except FileNotFoundError:
+            raise CorruptShardError("the index the manifest lists is missing", path=path) from None
+        with f:
             size = os.fstat(f.fileno()).st_size
             if size != expect_bytes:
                 raise CorruptShardError(f"the index has {size} bytes, the manifest says {expect_bytes} "
@@ -197,8 +201,23 @@ class IdIndex:
                 below = np.take(self.ids, first + t, mode="clip") < q
                 count = np.where(below, t, count)
             pos = lo + count
+            np.minimum(pos, n - 1, out=pos)
+            found = np.take(self.ids, pos, mode="clip") == q
+            if not found.all():
+                self._check_misses(q[~found])
+            return pos, found
         np.minimum(pos, n - 1, out=pos)
         return pos, np.take(self.ids, pos, mode="clip") == q
+
+    def _check_misses(self, miss: np.ndarray) -> None:
+        """The rounds trust the directory and ``steps`` of the file: an id they miss is searched again
+        in the sorted ids alone, so a damaged directory or ``steps`` is an error, never a present id
+        reported missing (or, with ``missing=``, silently given the default row)."""
+        pos = np.minimum(np.searchsorted(self.ids, miss), self.n - 1)
+        there = np.take(self.ids, pos) == miss
+        if there.any():
+            raise CorruptShardError(f"the bucket directory or steps={self.steps} in the index's metadata miss "
+                                    f"id {int(miss[there][0])}, which the index holds", path=self.path)
 
     def close(self) -> None:
         self.ids = self.shard = self.row = self.dir = None  # type: ignore[assignment]

@@ -44,7 +44,8 @@ def store_info(path: str) -> dict[str, Any]:
 
 def verify_store(path: str) -> tuple[int, list[str]]:
     """Check every version: manifests, shard and index sizes, headers and digests, and that each index
-    is sorted, unique, in range and agrees with its bucket directory. Returns (rows checked, problems)."""
+    is sorted, unique, in range, agrees with its bucket directory and points every id at a row holding
+    that id. Returns (rows checked, problems)."""
     problems: list[str] = []
     checked = 0
     try:
@@ -53,15 +54,15 @@ def verify_store(path: str) -> tuple[int, list[str]]:
     except TorchforgeError as e:
         return 0, [str(e)]
     digests: dict[str, str] = {}
-    opened: set[tuple[str, int, int]] = set()  # (file, bytes, rows) checked against a manifest entry
+    opened: dict[tuple[str, int, int], _Shard] = {}  # (file, bytes, rows) checked against a manifest entry
     for v in versions:
         try:
             m = read_manifest(store.path, v)
             for entry in (*m.shards, *([m.index] if m.index else [])):
                 f = os.path.join(store.path, entry.file)
                 if entry in m.shards and (entry.file, entry.bytes, entry.rows) not in opened:
-                    _Shard(store.path, entry, m.schema)  # size, header, tensors against this entry and schema
-                    opened.add((entry.file, entry.bytes, entry.rows))
+                    # size, header, tensors against this entry and schema
+                    opened[(entry.file, entry.bytes, entry.rows)] = _Shard(store.path, entry, m.schema)
                 if entry.file not in digests:
                     digests[entry.file] = file_digest(f) if os.path.isfile(f) else "missing"
                 if digests[entry.file] != entry.digest:
@@ -69,21 +70,29 @@ def verify_store(path: str) -> tuple[int, list[str]]:
                                                           f"from the manifest's {entry.digest}", path=f)))
             if m.index is not None:
                 _check_index(IdIndex(os.path.join(store.path, m.index.file), m.index.rows, m.index.bytes),
-                             [s.rows for s in m.shards])
+                             [opened[(s.file, s.bytes, s.rows)] for s in m.shards])
             checked += m.rows
         except TorchforgeError as e:
             problems.append(f"version {v}: {e}")
     return checked, problems
 
 
-def _check_index(idx: IdIndex, shard_rows: list[int]) -> None:
+def _check_index(idx: IdIndex, shards: list[_Shard]) -> None:
     ids, sh, row = idx.ids, idx.shard, idx.row
+    shard_rows = [s.rows for s in shards]
     if len(ids) > 1 and not (ids[1:] > ids[:-1]).all():
         raise CorruptShardError("ids are not strictly increasing", path=idx.path)
     if len(sh) and (sh.min() < 0 or sh.max() >= len(shard_rows)):
         raise CorruptShardError(f"shard numbers outside 0..{len(shard_rows) - 1}", path=idx.path)
     if len(row) and ((row < 0).any() or (row >= np.asarray(shard_rows, np.int64)[sh]).any()):
         raise CorruptShardError("rows outside their shard", path=idx.path)
+    for k, s in enumerate(shards):  # every row the index points at holds the id it is listed under
+        mine = sh == k
+        held = s.cols["id"][row[mine]].view(np.int64)
+        if not np.array_equal(held, ids[mine]):
+            j = int(np.flatnonzero(held != ids[mine])[0])
+            raise CorruptShardError(f"the index puts id {int(ids[mine][j])} at row {int(row[mine][j])} of shard {k}, "
+                                    f"which holds id {int(held[j])}", path=s.path)
     if len(ids):
         d, base, shift, steps = _directory(np.asarray(ids))
         if not np.array_equal(d, idx.dir) or (base, shift) != (idx.base, idx.shift) or steps > idx.steps:

@@ -13,8 +13,9 @@ Every file is written under a temporary name ``.tmp-<host>-<pid>-...`` and only 
 manifest once it is complete and fsynced; a manifest itself appears with ``os.link`` from a complete,
 fsynced temporary file, which fails with EEXIST when another committer claimed that number first. So
 the highest ``v-N.json`` is always whole, no two commits get one number, and no lock exists between
-writers. Files nobody names (a writer killed before ``commit()``) are ignored by readers and can be
-removed by :func:`stale_temp_files` users once their process is gone.
+writers. A writer keeps its completed shards under temporary names too and names them in ``commit()``,
+just before it claims the version, so files nobody names (a writer killed before ``commit()``) are
+temporary files: ignored by readers and listed by :func:`stale_temp_files` once their process is gone.
 """
 from __future__ import annotations
 
@@ -227,6 +228,8 @@ def read_manifest(root: str, version: int) -> Manifest:
     index = None if doc.get("index") is None else _entry(doc["index"], INDEX, path, "index")
     if (index is None) != (rows == 0):
         raise FormatError(f"a version of {rows} rows must {'' if rows else 'not '}have an index", path=path)
+    if index is not None and index.rows != rows:
+        raise FormatError(f"the manifest claims {rows} rows but lists an index of {index.rows}", path=path)
     if sum(s.rows for s in entries) < rows:
         raise FormatError(f"the manifest claims {rows} rows but its shards hold "
                           f"{sum(s.rows for s in entries)}", path=path)
@@ -235,7 +238,11 @@ def read_manifest(root: str, version: int) -> Manifest:
 
 
 def claim_version(root: str, manifest: Manifest) -> bool:
-    """Publish ``manifest`` as ``versions/v-N.json`` if N is still free; False if another commit has it."""
+    """Publish ``manifest`` as ``versions/v-N.json`` if N is still free; False if another commit has it.
+
+    True means published: readers may see the version from then on, so the caller records it as
+    committed before anything else can fail, and only then makes the link durable (``fsync_dir`` of
+    ``versions/``): a failure of that fsync must not make the caller undo a version others may read."""
     tmp = _write_temp(os.path.join(root, VERSIONS), f"v-{manifest.version}", manifest.to_json())
     try:
         os.link(tmp, version_path(root, manifest.version))
@@ -243,7 +250,6 @@ def claim_version(root: str, manifest: Manifest) -> bool:
         return False
     finally:
         os.unlink(tmp)
-    fsync_dir(os.path.join(root, VERSIONS))
     return True
 
 
@@ -290,5 +296,5 @@ def _read_json(path: str) -> Any:
         raise FormatError(f"larger than the {MAX_JSON}-byte limit of a schema or manifest", path=path)
     try:
         return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, an int of > 4300 digits
         raise FormatError(f"not valid JSON: {e}", path=path, offset=getattr(e, "pos", None)) from None

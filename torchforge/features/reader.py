@@ -6,7 +6,8 @@ the tensors against the schema). :meth:`Snapshot.gather` finds the batch's posit
 :mod:`torchforge.features.index`), checks each location it will read (shard number and row inside the
 shard: a lying index is a CorruptShardError, never a read outside a file) and copies rows into output
 tensors made by :func:`torchforge.loader.collate.empty`, which in a torchforge DataLoader worker are the
-batch's shared-memory slab.
+batch's shared-memory slab. The shard's own ``id`` of every row read is gathered too and must be the id
+asked for, so a manifest or index that points at the wrong rows is a CorruptShardError, never wrong data.
 
 Every copy is one ``np.take`` per column over the mapped column viewed as one item per row (``uint32``
 for a 4-byte row, ``V512`` for a 512-byte one): a single vectorised gather, with ``mode="clip"`` since
@@ -172,8 +173,9 @@ class Snapshot:
             except (OSError, OverflowError):  # no room for it: every column takes the grouped path
                 pass
         self._rows_of = np.zeros(count, np.int64)  # rows of each opened shard
-        # per column: the region item number of each opened shard's first row, -1 where it is not one
-        self._first = {c: np.full(count, -1, np.int64) for c, col in schema.items() if col.row_bytes}
+        # per column (and "id"): the region item number of each opened shard's first row, -1 where it is not one
+        self._width = {"id": 8, **{c: col.row_bytes for c, col in schema.items() if col.row_bytes}}
+        self._first = {c: np.full(count, -1, np.int64) for c in self._width}
 
     def shard(self, k: int) -> _Shard:
         s = self._shards[k]
@@ -182,7 +184,7 @@ class Snapshot:
             s = _Shard(self.root, self.manifest.shards[k], self.schema,
                        None if region is None else lambda fd, size, path: region.place(k, fd, size, path))
             for c, first in self._first.items() if region else ():
-                at, width = region.slots[k] + s.offsets[c], self.schema[c].row_bytes
+                at, width = region.slots[k] + s.offsets[c], self._width[c]
                 first[k] = at // width if at % width == 0 else -1
             self._shards[k] = s
             self._rows_of[k] = s.rows  # last: a thread that sees the count finds the rest in place
@@ -212,8 +214,21 @@ class Snapshot:
                 a[miss] = _items(_default_row(missing, c, self.schema)[None], self.schema[c].row_bytes)[0]
             pos = pos[hit]
         if len(pos) and items:
-            self._copy(pos, hit, items)
+            got = np.empty(n, np.uint64)  # the ids the rows read hold: each must be the id asked for
+            self._copy(pos, hit, {**items, "id": got})
+            asked = q.view(np.uint64)
+            wrong = np.flatnonzero(got != asked) if hit is None else hit[got[hit] != asked[hit]]
+            if len(wrong):
+                self._wrong_row(q, got, pos if hit is None else None, hit, int(wrong[0]))
         return out
+
+    def _wrong_row(self, q: np.ndarray, got: np.ndarray, pos: np.ndarray | None, hit: np.ndarray | None,
+                   j: int) -> None:
+        p = int(pos[j]) if pos is not None else int(self.index.lookup(q[j:j + 1])[0][0])
+        k, r = int(self.index.shard[p]), int(self.index.row[p])
+        raise CorruptShardError(f"the index puts id {int(q[j])} at row {r} of shard {k}, and that row holds id "
+                                f"{int(got[j].view(np.int64))}: the manifest's list of shards or the index "
+                                f"{self.index.path} lies", path=self.shard(k).path)
 
     def _copy(self, pos: np.ndarray, hit: np.ndarray | None, items: dict[str, np.ndarray]) -> None:
         sh = np.take(self.index.shard, pos, mode="clip")  # pos < len(index), from lookup

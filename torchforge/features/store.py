@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchforge.errors import NotFoundError
+from torchforge.errors import FormatError, NotFoundError
 from torchforge.features.layout import (
     INDEX,
     SCHEMA_FILE,
@@ -38,6 +38,7 @@ from torchforge.features.layout import (
     read_schema,
     schema_from_user,
     schema_to_json,
+    version_path,
     write_schema,
 )
 from torchforge.features.reader import Snapshot
@@ -79,8 +80,8 @@ class FeatureStore:
                                 path=self.path)
         self.schema: Schema = read_schema(self.path)
         if schema is not None and schema_from_user(schema) != self.schema:
-            raise ValueError(f"schema {schema_to_json(schema_from_user(schema))} differs from the store's "
-                             f"{schema_to_json(self.schema)} in {os.path.join(self.path, SCHEMA_FILE)}")
+            raise FormatError(f"schema {schema_to_json(schema_from_user(schema))} differs from the store's "
+                              f"{schema_to_json(self.schema)}", path=os.path.join(self.path, SCHEMA_FILE))
         self._snap: Snapshot | None = None
         self._open(version)
 
@@ -91,6 +92,9 @@ class FeatureStore:
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
             raise ValueError(f"version={version!r} must be an int >= 0")
         manifest = read_manifest(self.path, int(version)) if version else None
+        if manifest is not None and manifest.schema != self.schema:  # one schema per store: a lie or damage
+            raise FormatError(f"version {version} has schema {schema_to_json(manifest.schema)}, the store's "
+                              f"{SCHEMA_FILE} {schema_to_json(self.schema)}", path=version_path(self.path, int(version)))
         self._snap = Snapshot(self.path, self.schema, manifest)
 
     # --- versions ----------------------------------------------------------------------------------

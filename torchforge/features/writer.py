@@ -12,8 +12,8 @@ is in cache. Its place is known before the row count is, because it comes first 
 fixed, padded size. The narrow columns and ids are copied into small buffers and written after it
 when the shard is complete (``shard_size`` bytes, or ``commit()``); then the header goes to page 0.
 The digest (:class:`torchforge.checkpoint.digest.BlockDigest` of the whole file) is finished from
-the kept page sums, so no byte is read back; the fsync and the rename from the temporary name run
-on a background thread while the writer goes on.
+the kept page sums, so no byte is read back; the fsync runs on a background thread while the writer
+goes on. The shard keeps its temporary name until ``commit()`` names it, just before the claim.
 
 ``commit()`` is optimistic and not a collective:
 
@@ -21,12 +21,15 @@ on a background thread while the writer goes on.
 2. merge N's id index with this writer's rows (last write wins, see :func:`index.overlay`), drop
    shards no id points to any more, write and fsync the new index (all while the shards are fsynced
    in the background), then wait for the shards;
-3. write the manifest of N + 1 to a temporary file, fsync it, and ``os.link`` it to ``v-N+1.json``.
-   The link fails if another committer took N + 1 first; then go back to 2 on top of that version.
+3. name the shards, write the manifest of N + 1 to a temporary file, fsync it, and ``os.link`` it to
+   ``v-N+1.json``. The link fails if another committer took N + 1 first; then go back to 2 on top of
+   that version. Once the link is made the commit is done (its version may be read), even if the
+   fsync of ``versions/`` after it fails: the writer never deletes or reuses a published file.
 
 So concurrent commits each get their own version, in the order they won, and each includes every row
-of the versions before it: no commit is lost. A process killed before step 3 leaves only files no
-manifest names, which readers never look at.
+of the versions before it: no commit is lost. A process killed before step 3 leaves only temporary
+files, which readers never look at (killed inside it, at most that commit's named shards, which no
+manifest names either).
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ from torchforge.features.index import IdIndex, last_writes, merge, write_index
 from torchforge.features.layout import (
     INDEX,
     SHARDS,
+    VERSIONS,
     Manifest,
     ShardEntry,
     claim_version,
@@ -164,8 +168,8 @@ def _host(v: torch.Tensor, dtype: torch.dtype, copy: bool) -> torch.Tensor:
     return buf
 
 
-def _finish(fd: int, tmp: str, path: str) -> None:
-    """fsync, close and name a complete shard (on the writer's background thread)."""
+def _finish(fd: int, tmp: str) -> None:
+    """fsync and close a complete shard (on the writer's background thread); ``commit()`` names it."""
     try:
         os.fsync(fd)
     except BaseException:
@@ -173,11 +177,6 @@ def _finish(fd: int, tmp: str, path: str) -> None:
         os.unlink(tmp)
         raise
     os.close(fd)
-    try:
-        os.rename(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 class FeatureWriter:
@@ -212,7 +211,8 @@ class FeatureWriter:
         self._open: _OpenShard | None = None
         self._rows = 0
         self._buffered = 0
-        self._written: list[tuple[ShardEntry, np.ndarray]] = []  # this commit's shards and their ids
+        # this commit's shards, their ids and their temporary file (None once named by commit())
+        self._written: list[tuple[ShardEntry, np.ndarray, str | None]] = []
         self._pending: list[Future] = []  # shards being fsynced and named
         self._pool: ThreadPoolExecutor | None = None
         self._shard_no = 0
@@ -298,13 +298,12 @@ class FeatureWriter:
                                self._data_start + shard.sums.nbytes, n, shard.sums.hexdigest(head))
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="torchforge-feature-writer")
-            self._pending.append(self._pool.submit(_finish, shard.fd, shard.tmp,
-                                                   os.path.join(self.root, entry.file)))
+            self._pending.append(self._pool.submit(_finish, shard.fd, shard.tmp))
         except BaseException:  # bytes written past the end are written over by the next try
             shard.held = bytearray(held)  # a copy: a view of the old one may live on in the traceback
             shard.sums.rollback(mark)
             raise
-        self._written.append((entry, ids))
+        self._written.append((entry, ids, shard.tmp))
         self._shard_no += 1
         self._open = None
         self._drop_open()
@@ -336,10 +335,10 @@ class FeatureWriter:
         Not a collective: each rank commits when it likes, and concurrent commits each get a version.
         """
         self.flush()
-        mine = [e for e, _ in self._written]
+        mine = [e for e, _, _ in self._written]
         new = None
         if mine:  # this commit's ids, sorted, while the shards are fsynced
-            new_ids = np.concatenate([ids for _, ids in self._written])
+            new_ids = np.concatenate([ids for _, ids, _ in self._written])
             new_sh = np.concatenate([np.full(e.rows, j, np.int32) for j, e in enumerate(mine)])
             new_row = np.concatenate([np.arange(e.rows, dtype=np.int64) for e in mine])
             new = last_writes(new_ids, new_sh, new_row)
@@ -354,6 +353,7 @@ class FeatureWriter:
             manifest, index_path = self._manifest(latest, parent, mine, new, attempt)
             try:  # the index was built while the shards were fsynced; a manifest names only durable files
                 self._wait()
+                self._name_shards()
                 fsync_dir(os.path.join(self.root, SHARDS))
             except BaseException as e:
                 if index_path is not None:
@@ -370,10 +370,19 @@ class FeatureWriter:
             if index_path is not None:  # another commit took the number: redo on top of it
                 os.unlink(index_path)
             attempt += 1
-        self._written = []
+        self._written = []  # published: from here on nothing may undo or reuse this version's files
         self._commit_no += 1
+        fsync_dir(os.path.join(self.root, VERSIONS))
         self.store.refresh()
         return manifest.version
+
+    def _name_shards(self) -> None:
+        """Give this commit's durable shards the names its manifest uses (until then they are temporary
+        files, which a writer killed before committing leaves for :func:`stale_temp_files`)."""
+        for j, (entry, ids, tmp) in enumerate(self._written):
+            if tmp is not None:
+                os.rename(tmp, os.path.join(self.root, entry.file))
+                self._written[j] = (entry, ids, None)
 
     def _manifest(self, latest: int, parent: Manifest | None, mine: list[ShardEntry],
                   new: tuple[np.ndarray, np.ndarray, np.ndarray] | None, attempt: int
@@ -397,7 +406,7 @@ class FeatureWriter:
         if not used.all():  # shards whose every row was overwritten: leave them out, renumber the rest
             sh = (np.cumsum(used) - 1).astype(np.int32)[sh]
             shards = [s for s, u in zip(shards, used) if u]
-        rel = f"{INDEX}/{self.name}-{self._commit_no}-{attempt}.safetensors"
+        rel = f"{INDEX}/{self.name}-{self._commit_no}-{attempt}-{uuid.uuid4().hex[:8]}.safetensors"  # never reused
         path = os.path.join(self.root, rel)
         size, digest = write_index(path, ids, sh, row)
         entry = ShardEntry(rel, size, len(ids), digest)
@@ -412,9 +421,9 @@ class FeatureWriter:
             pass  # a shard that failed to complete was removed by its own task
         self._pending = []
         written, self._written = self._written, []  # forgotten first: no later commit may name them
-        for e, _ in written:
+        for e, _, tmp in written:
             try:
-                os.unlink(os.path.join(self.root, e.file))
+                os.unlink(tmp or os.path.join(self.root, e.file))
             except OSError:
                 pass  # (gone already, or left as a file no manifest names, which readers never look at)
 
