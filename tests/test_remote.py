@@ -1921,3 +1921,74 @@ def test_an_order_without_locality_under_a_small_cache_reads_ranges_instead_of_r
     whole_shards = run("c2")
     assert with_ranges < whole_shards / 3, (with_ranges, whole_shards)
     assert with_ranges < 4 * data
+
+
+@pytest.mark.parametrize("mode", ["ranges", "shards"])
+def test_an_http_mds_dataset_missing_a_shard_or_lying_about_its_size_names_that_shard(tmp_path, mode):
+    """Found by review: a 404 for one shard said "no index.json" (naming index.json, which exists), and a
+    shard size index.json inflated to 10**14 reached the cache's reservation as a bare OSError (now a typed
+    error for that shard, the others still read)."""
+    import shutil
+
+    import torchforge
+    from torchforge.errors import CorruptShardError
+    from torchforge.formats.mds import MDSWriter
+
+    with MDSWriter(str(tmp_path / "v1"), {"id": "int", "blob": "bytes"}, size_limit=1 << 11) as w:
+        for i in range(30):
+            w.write({"id": i, "blob": bytes([1]) * (50 + i)})
+    served = tmp_path / "served"
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RangeHandler)
+    server.folder, server.gets = str(served), []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    opts = {"mode": mode, "cache_dir": tmp_path / "cache", "storage_options": {"allow_http": True}}
+    try:
+        shutil.copytree(tmp_path / "v1", served)
+        last = max(n for n in os.listdir(served) if n != "index.json")
+        os.unlink(served / last)
+        with pytest.raises(RemoteNotFoundError) as e:
+            torchforge.open_dataset(url, **opts)
+        assert e.value.url == f"{url}/{last}"
+        shutil.rmtree(served)
+        shutil.copytree(tmp_path / "v1", served)
+        index = json.loads((served / "index.json").read_text())
+        index["shards"][1]["raw_data"]["bytes"] = 10**14
+        (served / "index.json").write_text(json.dumps(index))
+        lying = f"{url}/{index['shards'][1]['raw_data']['basename']}"
+        ds = torchforge.open_dataset(url, **opts)
+        first = index["shards"][0]["samples"]
+        assert bytes(ds[0]["blob"]) == bytes([1]) * 50  # the other shards read
+        with pytest.raises((RemoteCorruptError, CorruptShardError)) as e:  # a typed error naming the shard
+            ds[first]
+        assert lying in str(e.value) and ("10000000000000" in str(e.value) or e.value.offset is not None)
+    finally:
+        server.shutdown()
+
+
+def test_an_s3_mds_index_lying_about_a_shard_size_is_a_typed_error_for_that_shard(env, tmp_path):
+    import torchforge
+
+    _, _, put = env
+    local = tmp_path / "lying"
+    _put_mds(put, local, "lying-size", [{"id": i, "blob": bytes([i]) * 300} for i in range(40)], 1 << 12)
+    index = json.loads((local / "index.json").read_text())
+    index["shards"][0]["raw_data"]["bytes"] = 10**14
+    put("lying-size/index.json", json.dumps(index).encode())
+    ds = torchforge.open_dataset(f"s3://{BUCKET}/lying-size", mode="shards", cache_dir=tmp_path / "c2")
+    with pytest.raises(RemoteCorruptError, match="the index records 100000000000000") as e:
+        ds[0]  # before: a bare OSError (File too large) from reserving 10**14 bytes in the cache
+    assert e.value.url.endswith("/lying-size/" + index["shards"][0]["raw_data"]["basename"])
+    assert bytes(ds[len(ds) - 1]["blob"]) == bytes([len(ds) - 1]) * 300  # the other shards read
+
+
+def test_range_reads_that_keep_failing_say_why_and_where(env):
+    client, proxy, put = env
+    data = os.urandom(300_000)
+    url = put("why/shard.mds", data)
+    etag = client.head(url).etag
+    proxy.reset()
+    proxy.faults = ["truncate"] * 3
+    with pytest.raises(RemoteError, match=r"bytes \[1000, 2000\): .*error") as e:
+        client.get_ranges(url, [(1000, 2000)], etag=etag, storage_options={**_via(proxy), "max_retries": 1})
+    assert e.value.url == url and e.value.offset == 1000

@@ -272,20 +272,22 @@ class _Server:
         budget = _Budget(req.store)
         while True:
             results = asyncio.run(batch(todo))
-            failed = []
+            failed, last = [], None
             for r, res in zip(todo, results):
                 if isinstance(res, BaseException):
                     err = _classify(res, req.url)
                     if not isinstance(err, _Transient):
                         raise err
                     failed.append(r)
+                    last = last or err
                 else:
                     got[r] = res
             if not failed:
                 break
             pause = budget.pause()
-            if pause is None:
-                raise RemoteError(f"range reads failed after {budget.spent()}", url=req.url)
+            if pause is None:  # the first range that still failed, and why
+                raise RemoteError(f"range reads failed after {budget.spent()}: bytes [{failed[0][0]}, "
+                                  f"{failed[0][1]}): {last}", url=req.url, offset=failed[0][0])
             todo = failed
             time.sleep(pause)
         starts = sorted(got)

@@ -70,9 +70,10 @@ def open_remote(url: str, **kwargs: Any) -> Any:
     client = connect(None if kwargs.get("cache_dir") is None else os.path.abspath(os.fspath(kwargs["cache_dir"])))
     try:
         client.head(f"{folder}/{INDEX_BASENAME}", storage_options=kwargs.get("storage_options"))
-        return RemoteMDSDataset(url, **kwargs)
     except RemoteNotFoundError:
         pass
+    else:  # an MDS dataset: what is missing inside it (a shard) is its own error, naming that shard
+        return RemoteMDSDataset(url, **kwargs)
     found = False  # any object below the folder
     refused: TypeError | None = None  # options the JINX class does not take (columns=, for safetensors)
     for cls in (RemoteJinxDataset, RemoteSafetensorsDataset):

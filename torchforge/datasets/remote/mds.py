@@ -92,6 +92,7 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         except RemoteAccessError as e:
             log.debug("%s: no listing (%s); every shard is pinned by a HEAD", self.url, e)
             return self._headed(client)
+        self._check_sizes({u: size for u, size, _ in listed})
         pins = {u: etag for u, _, etag in listed if etag}
         index_url = f"{self.url}/{INDEX_BASENAME}"
         now = client.head(index_url, storage_options=self.storage_options).etag  # (as read: same API, same form)
@@ -105,9 +106,22 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         """Every shard's ETag from a HEAD of its own (``READERS`` at a time), for a folder that cannot be
         listed: the whole dataset is pinned when it opens, so no epoch mixes shards of two versions."""
         urls = [f"{self.url}/{m.zip_basename or m.raw_basename}" for m in self.metas]
-        etags = self._spread(lambda client, url: client.head(url, storage_options=self.storage_options).etag,
+        infos = self._spread(lambda client, url: client.head(url, storage_options=self.storage_options),
                              urls) if urls else []
-        return {u: etag for u, etag in zip(urls, etags) if etag}
+        self._check_sizes({u: info.size for u, info in zip(urls, infos)})
+        return {u: info.etag for u, info in zip(urls, infos) if info.etag}
+
+    def _check_sizes(self, sizes: Mapping[str, int]) -> None:
+        """Keep each shard's size as the store gave it at open (listing or HEAD) where it differs from the
+        size index.json records: such a shard is a RemoteCorruptError when it is fetched (see
+        ``_RemoteShards._sized``), before anything is allocated or reserved in the cache on the index's word; the
+        other shards still read (``verify`` reports that shard and goes on)."""
+        self._store_sizes = {}
+        for m in self.metas:
+            url = f"{self.url}/{m.zip_basename or m.raw_basename}"
+            have = sizes.get(url)
+            if have is not None and have != (m.zip_bytes if m.zip_basename else m.raw_bytes):
+                self._store_sizes[url] = have
 
     # --- mode="ranges" ------------------------------------------------------------------------------
     def _shard_url(self, k: int) -> str:
@@ -226,7 +240,8 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         entry = m.raw.get("zip_data" if whole else "raw_data") or {}
         hashes = entry.get("hashes") if isinstance(entry, dict) else None
         url = f"{self.url}/{m.zip_basename or m.raw_basename}"
-        return [(url, (m.zip_bytes or 0) if whole else m.raw_bytes, self._etags.get(url),
+        size = (m.zip_bytes or 0) if whole else m.raw_bytes
+        return [(url, size, self._etags.get(url),
                  hashes if isinstance(hashes, dict) else None)]
 
     def _map(self, k: int, paths: list[str]) -> tuple[Any, list[Any]]:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from torchforge._limits import ensure_open_files
-from torchforge.remote import FetcherClient, RemoteNotFoundError, connect
+from torchforge.remote import FetcherClient, RemoteCorruptError, RemoteNotFoundError, connect
 from torchforge.sizes import parse_size
 
 log = logging.getLogger(__name__)
@@ -314,7 +314,7 @@ class _RemoteShards:
         (see :meth:`_early_batch`); a shard found complete (every object of it) is mapped
         from then on."""
         objs = self._objects(k)
-        url, size, etag, hashes = objs[obj]
+        url, size, etag, hashes = self._sized(objs[obj])
         blobs, path = client.read(url, size, spans, hashes=hashes, etag=etag, cache_limit=self.cache_limit,
                                   policy=self.cache_policy, next_use=self._next_use(k),
                                   storage_options=self.storage_options)
@@ -426,7 +426,16 @@ class _RemoteShards:
         """Shard ``k``'s objects in the node's cache (fetched if absent): their paths."""
         return [client.fetch(url, size, hashes=hashes, etag=etag, cache_limit=self.cache_limit,
                              policy=self.cache_policy, storage_options=self.storage_options, next_use=next_use)
-                for url, size, etag, hashes in self._objects(k)]
+                for url, size, etag, hashes in map(self._sized, self._objects(k))]
+
+    def _sized(self, obj: tuple[str, int, str | None, Any]) -> tuple[str, int, str | None, Any]:
+        """``obj`` of :meth:`_objects`, unless the store gave another size for it when the dataset opened
+        (``_store_sizes``, where a format keeps them): then a RemoteCorruptError for that object, before
+        its size is trusted for a download (a lying index must not size an allocation or a reservation)."""
+        have = getattr(self, "_store_sizes", {}).get(obj[0])
+        if have is not None:
+            raise RemoteCorruptError(f"the object has {have} bytes, the index records {obj[1]}", url=obj[0])
+        return obj
 
     def _url_of(self, k: int) -> str:
         """The URL of shard ``k``'s (first) stored object."""
