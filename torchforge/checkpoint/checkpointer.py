@@ -572,7 +572,7 @@ class Checkpointer:
         """:meth:`export` of a committed step, without waiting for a save in flight (it runs inside one)."""
         src = self.path(step)
         manifest = self.manifest(step)
-        try:
+        with distributed.damaged(f"step {step}", f"step {step}'s manifest", os.path.join(src, MANIFEST)):
             if manifest.get("version") == distributed.VERSION:
                 names, get = distributed.model_tensors(src, manifest)
             else:
@@ -581,12 +581,6 @@ class Checkpointer:
                 stored, get = self._group(src, "model", manifest["files"])
                 names = {n: (list(get(n).shape), get(n).dtype) for n in stored}
             return export_model(names, get, os.fspath(folder), limit, self._pool, overwrite=overwrite)
-        except CheckpointError:
-            raise
-        except TorchforgeError as e:  # a damaged file of the step: its error names it and the offset
-            raise CheckpointError(f"step {step} is damaged: {e.reason}", path=e.path, offset=e.offset) from e
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
-            raise CheckpointError(f"step {step}'s manifest is damaged: {e!r}", path=os.path.join(src, MANIFEST)) from e
 
     @property
     def staging_buffer(self) -> torch.Tensor | None:

@@ -43,7 +43,7 @@ import shutil
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -593,6 +593,21 @@ def _global_shape(chunks: list[dict[str, Any]]) -> list[int]:
 
 
 # --- restoring ------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def damaged(files: str, values: str, where: str) -> Iterator[None]:
+    """Errors raised inside as CheckpointErrors: a damaged file's own TorchforgeError (a ValueError too,
+    so it is caught first) keeps its path and offset ("<files> is damaged: ..."); a malformed value
+    (KeyError, TypeError, ...) names ``where`` ("<values> is damaged: ...")."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except TorchforgeError as e:
+        raise CheckpointError(f"{files} is damaged: {e.reason}", path=e.path, offset=e.offset) from e
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise CheckpointError(f"{values} is damaged: {e!r}", path=where) from e
+
+
 def check_tensors(folder: str, manifest: dict[str, Any]) -> None:
     """Check the manifest's tensor table before anything is read: every entry's shape (ints >= 0), dtype
     (a torch dtype) and chunks (a listed file and a key each; offsets and sizes of the entry's rank, inside
@@ -749,7 +764,7 @@ def restore_distributed(ck: Any, step: int, folder: str, manifest: dict[str, Any
     if not isinstance(spec, dict) or not isinstance(manifest.get("tensors"), dict):
         raise CheckpointError("manifest.json is damaged: no 'spec' or 'tensors' table", path=where)
     check_tensors(folder, manifest)
-    try:
+    with damaged(f"step {step}", "manifest.json", where):
         if model is not None:
             if "model" not in spec:
                 raise CheckpointError(f"step {step} holds no model state", path=where)
@@ -764,12 +779,6 @@ def restore_distributed(ck: Any, step: int, folder: str, manifest: dict[str, Any
         if loader is not None:
             loader.load_state_dict(_loader_state(folder, manifest, rank, world))
         extra = decode(spec.get("extra"), lambda name: reader.whole(name, map_location))
-    except TorchforgeError as e:  # first: a damaged file's own error (a ValueError too) names it and the offset
-        if isinstance(e, CheckpointError):
-            raise
-        raise CheckpointError(f"step {step} is damaged: {e.reason}", path=e.path, offset=e.offset) from e
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
-        raise CheckpointError(f"manifest.json is damaged: {e!r}", path=where) from e
     ck.last_restore = {"bytes_read": reader.bytes_read, "bytes_needed": reader.bytes_needed}
     return extra
 
@@ -928,11 +937,5 @@ def rank_state(folder: str, manifest: dict[str, Any], rank: int, world: int, map
             raise CheckpointError(f"tensor {name!r} is missing from its file", path=os.path.join(folder, file))
         return f[name].to(map_location, copy=True)
 
-    try:
+    with damaged(f"rank {rank}'s state", f"rank {rank}'s state", where):
         return decode(info.get("state"), tensor)
-    except TorchforgeError as e:
-        if isinstance(e, CheckpointError):
-            raise
-        raise CheckpointError(f"rank {rank}'s state is damaged: {e.reason}", path=e.path, offset=e.offset) from e
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
-        raise CheckpointError(f"rank {rank}'s state is damaged: {e!r}", path=where) from e

@@ -180,6 +180,7 @@ class IdIndex:
         n = self.n
         if n == 0 or len(q) == 0:
             return np.zeros(len(q), np.int64), np.zeros(len(q), bool)
+        rounds = False  # (the searches below trust nothing but the sorted ids; the rounds trust the metadata)
         if len(q) <= _FEW:  # a few ids: one binary search each costs less than the rounds' numpy calls
             pos = np.searchsorted(self.ids, q)
         elif self.steps > _MAX_ROUNDS:
@@ -201,13 +202,12 @@ class IdIndex:
                 below = np.take(self.ids, first + t, mode="clip") < q
                 count = np.where(below, t, count)
             pos = lo + count
-            np.minimum(pos, n - 1, out=pos)
-            found = np.take(self.ids, pos, mode="clip") == q
-            if not found.all():
-                self._check_misses(q[~found])
-            return pos, found
+            rounds = True
         np.minimum(pos, n - 1, out=pos)
-        return pos, np.take(self.ids, pos, mode="clip") == q
+        found = np.take(self.ids, pos, mode="clip") == q
+        if rounds and not found.all():
+            self._check_misses(q[~found])
+        return pos, found
 
     def _check_misses(self, miss: np.ndarray) -> None:
         """The rounds trust the directory and ``steps`` of the file: an id they miss is searched again

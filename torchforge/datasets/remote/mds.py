@@ -105,7 +105,7 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
     def _headed(self, client: Any) -> dict[str, str]:
         """Every shard's ETag from a HEAD of its own (``READERS`` at a time), for a folder that cannot be
         listed: the whole dataset is pinned when it opens, so no epoch mixes shards of two versions."""
-        urls = [f"{self.url}/{m.zip_basename or m.raw_basename}" for m in self.metas]
+        urls = [self._stored(m)[0] for m in self.metas]
         infos = self._spread(lambda client, url: client.head(url, storage_options=self.storage_options),
                              urls) if urls else []
         self._check_sizes({u: info.size for u, info in zip(urls, infos)})
@@ -118,10 +118,15 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         other shards still read (``verify`` reports that shard and goes on)."""
         self._store_sizes = {}
         for m in self.metas:
-            url = f"{self.url}/{m.zip_basename or m.raw_basename}"
+            url, size = self._stored(m)
             have = sizes.get(url)
-            if have is not None and have != (m.zip_bytes if m.zip_basename else m.raw_bytes):
+            if have is not None and have != size:
                 self._store_sizes[url] = have
+
+    def _stored(self, m: ShardMeta) -> tuple[str, int]:
+        """The URL and size of the object shard ``m`` is stored as (the compressed file where it has one)."""
+        whole = m.zip_basename is not None
+        return f"{self.url}/{m.zip_basename or m.raw_basename}", (m.zip_bytes or 0) if whole else m.raw_bytes
 
     # --- mode="ranges" ------------------------------------------------------------------------------
     def _shard_url(self, k: int) -> str:
@@ -239,8 +244,7 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         whole = m.zip_basename is not None  # the stored file is the compressed one
         entry = m.raw.get("zip_data" if whole else "raw_data") or {}
         hashes = entry.get("hashes") if isinstance(entry, dict) else None
-        url = f"{self.url}/{m.zip_basename or m.raw_basename}"
-        size = (m.zip_bytes or 0) if whole else m.raw_bytes
+        url, size = self._stored(m)
         return [(url, size, self._etags.get(url),
                  hashes if isinstance(hashes, dict) else None)]
 

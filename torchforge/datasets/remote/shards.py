@@ -74,6 +74,7 @@ class _RemoteShards:
         self._held: tuple[int, OrderedDict[int, int]] | None = None  # (pid, this process's mapped shards)
         self._fetched: dict[int, list[str]] = {}  # shard -> its files in the cache, as last fetched
         self._plan: list[int] = []  # shards in the order of first use, as the last prefetch() was told
+        self._store_sizes: dict[str, int] = {}  # object URL -> the size the store gave where the index differs
         self._prefetcher: tuple[int, threading.Thread, threading.Event] | None = None  # (pid, thread, stop)
         self._bypass = False  # this process reads uncached shards by ranges (see _limited_batch)
         self._judging = False  # a _limited_batch is fetching: its downloads count toward the switch
@@ -430,9 +431,9 @@ class _RemoteShards:
 
     def _sized(self, obj: tuple[str, int, str | None, Any]) -> tuple[str, int, str | None, Any]:
         """``obj`` of :meth:`_objects`, unless the store gave another size for it when the dataset opened
-        (``_store_sizes``, where a format keeps them): then a RemoteCorruptError for that object, before
+        (``_store_sizes``, which a format fills when it opens): then a RemoteCorruptError for that object, before
         its size is trusted for a download (a lying index must not size an allocation or a reservation)."""
-        have = getattr(self, "_store_sizes", {}).get(obj[0])
+        have = self._store_sizes.get(obj[0])
         if have is not None:
             raise RemoteCorruptError(f"the object has {have} bytes, the index records {obj[1]}", url=obj[0])
         return obj
