@@ -1407,7 +1407,11 @@ def test_a_jinx_shard_overwritten_or_lying_at_its_url_is_a_typed_error_naming_it
 class _RangeHandler(BaseHTTPRequestHandler):
     """GET (with one ``Range: bytes=a-b``, and ``If-Match`` honoured as a web server does: 412 when the
     ETag differs) and HEAD of the files below the server's folder, with ETags; records (path, ranged) for
-    every GET served."""
+    every GET served. A subclass may send no ETag, no Last-Modified, or ignore If-Match."""
+
+    ETAG = True
+    LAST_MODIFIED = True
+    IF_MATCH = True
 
     def log_message(self, *args):
         pass
@@ -1425,8 +1429,10 @@ class _RangeHandler(BaseHTTPRequestHandler):
         st = os.stat(path)
         self.send_response(status)
         self.send_header("Content-Length", str(length))
-        self.send_header("ETag", f'"{st.st_size}-{st.st_mtime_ns}"')
-        self.send_header("Last-Modified", self.date_time_string(int(st.st_mtime)))
+        if self.ETAG:
+            self.send_header("ETag", f'"{st.st_size}-{st.st_mtime_ns}"')
+        if self.LAST_MODIFIED:
+            self.send_header("Last-Modified", self.date_time_string(int(st.st_mtime)))
         self.send_header("Accept-Ranges", "bytes")
         for k, v in extra.items():
             self.send_header(k, v)
@@ -1445,7 +1451,7 @@ class _RangeHandler(BaseHTTPRequestHandler):
             data = f.read()
         st = os.stat(path)
         match = self.headers.get("If-Match")
-        if match is not None and match != f'"{st.st_size}-{st.st_mtime_ns}"':
+        if self.IF_MATCH and match is not None and match != f'"{st.st_size}-{st.st_mtime_ns}"':
             self.send_response(412)
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -1463,15 +1469,36 @@ class _RangeHandler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def test_a_jinx_dataset_at_an_http_url_is_found_by_probing_and_read_with_ranges(tmp_path):
+def _serve(folder, handler=None):
+    """A ThreadingHTTPServer serving ``folder`` with ``handler`` (:class:`_RangeHandler`) in a thread."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler or _RangeHandler)
+    server.folder, server.gets = folder, []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+class _NoETagHandler(_RangeHandler):
+    """A web server that sends Last-Modified but no ETag (and so ignores If-Match), as some static servers
+    and CDNs do."""
+
+    ETAG = False
+    IF_MATCH = False
+
+
+class _DeafHandler(_RangeHandler):
+    """A web server that sends ETags but ignores If-Match (Python's http.server ignores it too)."""
+
+    IF_MATCH = False
+
+
+@pytest.mark.parametrize("handler", [_RangeHandler, _NoETagHandler], ids=["etag", "last-modified"])
+def test_a_jinx_dataset_at_an_http_url_is_found_by_probing_and_read_with_ranges(tmp_path, handler):
     from expected import rich, same
 
     import torchforge
 
     local, m = _interop("jinx-b64-multishard")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _RangeHandler)
-    server.folder, server.gets = local, []
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _serve(local, handler)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         ds = torchforge.open_dataset(url, cache_dir=tmp_path / "cache", storage_options={"allow_http": True})
@@ -1485,11 +1512,17 @@ def test_a_jinx_dataset_at_an_http_url_is_found_by_probing_and_read_with_ranges(
         server.shutdown()
 
 
+@pytest.mark.parametrize("handler", [_RangeHandler, _NoETagHandler, _DeafHandler], ids=["etag", "last-modified",
+                                                                                       "if-match-ignored"])
 @pytest.mark.parametrize("mode", ["ranges", "shards"])
-def test_an_mds_dataset_at_an_http_url_pins_every_shard_when_it_opens(tmp_path, mode):
+def test_an_mds_dataset_at_an_http_url_pins_every_shard_when_it_opens(tmp_path, mode, handler):
     """http(s) folders cannot be listed: every shard is pinned by a HEAD at open, so a shard overwritten
     mid-run is a RemoteChangedError naming it, in either mode, never its new bytes read with the old
-    offsets (before, ranges mode sent no If-Match at all)."""
+    offsets (before, ranges mode sent no If-Match at all). The pin is the ETag, or the Last-Modified time
+    where the server sends no ETag (before, such a shard was cached by its size alone: a rewrite at the same
+    size was served from the old cache forever, and ranges mode read the new bytes with the old index), and
+    each reply's own validator is checked, for servers that ignore If-Match. Opened again, the dataset
+    reads the new version."""
     import shutil
 
     import torchforge
@@ -1504,21 +1537,65 @@ def test_an_mds_dataset_at_an_http_url_pins_every_shard_when_it_opens(tmp_path, 
     write(tmp_path / "v2", 2)
     served = tmp_path / "served"
     shutil.copytree(tmp_path / "v1", served)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _RangeHandler)
-    server.folder, server.gets = str(served), []
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _serve(str(served), handler)
+    opts = {"mode": mode, "cache_dir": tmp_path / "cache", "storage_options": {"allow_http": True}}
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        ds = torchforge.open_dataset(url, mode=mode, cache_dir=tmp_path / "cache", storage_options={"allow_http": True})
+        ds = torchforge.open_dataset(url, **opts)
         shards = sorted(n for n in os.listdir(served) if n != "index.json")
         assert len(shards) >= 2 and all(ds._etags.get(f"{url}/{n}") for n in shards)
         assert bytes(ds[0]["blob"]) == bytes([1]) * 50
-        last = shards[-1]
-        os.utime(tmp_path / "v2" / last, ns=(1, 1))  # another mtime: another ETag, as a rewrite gives
-        shutil.copy(tmp_path / "v2" / last, served / last)
-        with pytest.raises(RemoteChangedError, match=last):
+        for name in shards:  # every shard rewritten at its size, a minute later: another ETag and Last-Modified
+            shutil.copy(tmp_path / "v2" / name, served / name)
+            os.utime(served / name, (time.time() + 60, time.time() + 60))
+        with pytest.raises(RemoteChangedError, match=shards[-1]):
             ds[29]
-        assert bytes(ds[1]["blob"]) == bytes([1]) * 51  # the shards that did not change still read
+        if mode == "shards":  # the shard fetched before the rewrite reads on from the cache: the pinned version
+            assert bytes(ds[1]["blob"]) == bytes([1]) * 51
+        else:
+            with pytest.raises(RemoteChangedError, match=shards[0]):
+                ds[1]
+        again = torchforge.open_dataset(url, **opts)
+        assert [bytes(again[i]["blob"]) for i in (0, 29)] == [bytes([2]) * 50, bytes([2]) * 79]
+    finally:
+        server.shutdown()
+
+
+def test_a_server_that_gives_no_version_at_all_is_warned_about_and_its_index_is_read_afresh(tmp_path):
+    """A server that sends neither ETag nor Last-Modified: nothing can tell a same-size rewrite from the
+    cached shard, and opening says so (naming the URL). index.json is read afresh at every open and keys
+    the dataset's version by its bytes (before, it was cached by its size: a rewritten index of the same
+    size was never seen again)."""
+    import shutil
+
+    import torchforge
+    from torchforge.formats.mds import MDSWriter
+
+    class Bare(_RangeHandler):
+        ETAG = LAST_MODIFIED = IF_MATCH = False
+
+    def write(folder, n):
+        with MDSWriter(str(folder), {"id": "int", "blob": "bytes"}, size_limit=1 << 11) as w:
+            for i in range(n):
+                w.write({"id": i, "blob": bytes([7]) * 60})  # (same-size samples: n alone sizes index.json)
+
+    write(tmp_path / "v1", 30)
+    write(tmp_path / "v2", 31)
+    served = tmp_path / "served"
+    shutil.copytree(tmp_path / "v1", served)
+    server = _serve(str(served), Bare)
+    opts = {"cache_dir": tmp_path / "cache", "storage_options": {"allow_http": True}}
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.warns(UserWarning, match=r"/shard\.00000\.mds .*neither an ETag nor a Last-Modified"):
+            ds = torchforge.open_dataset(url, **opts)
+        assert len(ds) == 30 and ds.version.startswith("sha256:")
+        assert (tmp_path / "v1" / "index.json").stat().st_size == (tmp_path / "v2" / "index.json").stat().st_size
+        shutil.rmtree(served)
+        shutil.copytree(tmp_path / "v2", served)
+        with pytest.warns(UserWarning):
+            again = torchforge.open_dataset(url, **opts)
+        assert len(again) == 31 and again.version != ds.version
     finally:
         server.shutdown()
 
@@ -1938,9 +2015,7 @@ def test_an_http_mds_dataset_missing_a_shard_or_lying_about_its_size_names_that_
         for i in range(30):
             w.write({"id": i, "blob": bytes([1]) * (50 + i)})
     served = tmp_path / "served"
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _RangeHandler)
-    server.folder, server.gets = str(served), []
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _serve(str(served), _RangeHandler)
     url = f"http://127.0.0.1:{server.server_address[1]}"
     opts = {"mode": mode, "cache_dir": tmp_path / "cache", "storage_options": {"allow_http": True}}
     try:

@@ -40,8 +40,9 @@ class RemoteAccessError(RemoteError, PermissionError):
 
 
 class RemoteChangedError(RemoteError):
-    """The object's ETag differs from the one pinned when the dataset was opened: it was overwritten at
-    the same URL, and reading on would mix two versions into one epoch. Open the dataset again."""
+    """The object's ETag (its Last-Modified time, for a server that sends no ETag) differs from the one
+    pinned when the dataset was opened: it was overwritten at the same URL, and reading on would mix two
+    versions into one epoch. Open the dataset again."""
 
 
 class RemoteCorruptError(RemoteError):

@@ -192,8 +192,46 @@ def _mismatch(fd: int, size: int, hashes: dict[str, str]) -> tuple[str, str] | N
     return next(((k, h.hexdigest()) for k, h in hashers.items() if h.hexdigest() != str(hashes[k]).lower()), None)
 
 
+def _validator(meta: Any) -> str | None:
+    """What pins an object's version, from obstore's metadata of a HEAD, GET or listing: its ETag; else,
+    for a server that sends none (a plain web server may not), ``"lm:"`` and its Last-Modified time in
+    whole seconds (the header's precision); else None (obstore gives the epoch where the header is missing,
+    and then nothing tells two versions of the same size apart)."""
+    if meta.get("e_tag"):
+        return str(meta["e_tag"])
+    modified = meta.get("last_modified")
+    stamp = int(modified.timestamp()) if modified is not None else 0
+    return f"lm:{stamp}" if stamp > 0 else None
+
+
+def _bare(validator: str) -> str:
+    return validator.removeprefix("W/").strip('"')  # a listing may give an ETag without the quotes a header has
+
+
+def _pin(opts: dict[str, Any], pinned: str | None) -> dict[str, Any]:
+    """``opts`` asking the server for the pinned version: ``If-Match`` with an ETag (a Last-Modified time
+    is checked on the reply instead, by :func:`_check_pinned`: servers that send no ETag often ignore the
+    conditional headers too)."""
+    if pinned and not pinned.startswith("lm:"):
+        opts["if_match"] = pinned
+    return opts
+
+
+def _check_pinned(meta: Any, pinned: str | None, url: str) -> None:
+    """RemoteChangedError where a reply's own validator is not the pinned one, before its body is read: the
+    only check where the pin is a Last-Modified time, and a second one where a server ignores If-Match."""
+    if not pinned:
+        return
+    now = _validator({"last_modified": meta.get("last_modified")}) if pinned.startswith("lm:") else meta.get("e_tag")
+    if now and _bare(now) != _bare(pinned):
+        what = "Last-Modified" if pinned.startswith("lm:") else "ETag"
+        raise RemoteChangedError(f"the object changed since the dataset was opened (its {what} is {now}, "
+                                 f"{pinned} when pinned): open the dataset again", url=url)
+
+
 class _Source:
-    """Where a download's parts come from: the store, the key, and the ETag they are pinned to."""
+    """Where a download's parts come from: the store, the key, and the version (:func:`_validator`) they
+    are pinned to."""
 
     def __init__(self, store: Any, key: str, etag: str | None, spec: StoreSpec) -> None:
         self.store = store
@@ -243,7 +281,7 @@ class _Server:
         import obstore
 
         meta = _retrying(req.url, lambda: obstore.head(self.store(req.store), req.key), req.store)
-        return ObjectInfo(int(meta["size"]), meta.get("e_tag"))
+        return ObjectInfo(int(meta["size"]), _validator(meta))
 
     def ranges(self, req: RangesRequest) -> list[bytes]:
         import obstore
@@ -253,10 +291,8 @@ class _Server:
         got: dict[tuple[int, int], Any] = {}
 
         async def one(s: int, e: int) -> Any:
-            opts: dict[str, Any] = {"range": (s, e)}
-            if req.etag:
-                opts["if_match"] = req.etag
-            res = await obstore.get_async(store, req.key, options=opts)
+            res = await obstore.get_async(store, req.key, options=_pin({"range": (s, e)}, req.etag))
+            _check_pinned(res.meta, req.etag, req.url)
             total = int(res.meta["size"])
             if e > total:  # a server clips such a range: the short body is no transient fault
                 raise _past_end(req.url, s, e, total)
@@ -404,14 +440,13 @@ class _Server:
             if d.error is not None or d.ended:  # another part failed: this one is not needed any more
                 raise RemoteError(f"the download stopped: {d.error}", url=d.url)
             whole = start == 0 and end == d.size  # a plain GET: servers without range support serve it too
-            opts: dict[str, Any] = {} if whole else {"range": (start, end)}
-            if src.etag:
-                opts["if_match"] = src.etag
+            opts = _pin({} if whole else {"range": (start, end)}, src.etag)
             res = obstore.get(src.store, src.key, options=opts or None)
+            _check_pinned(res.meta, src.etag, d.url)
             total = int(res.meta["size"])
             if total != d.size:
                 raise RemoteCorruptError(f"the object has {total} bytes, the index records {d.size}", url=d.url)
-            src.etag = src.etag or res.meta.get("e_tag")
+            src.etag = src.etag or _validator(res.meta)
             data = res.bytes()
             if len(data) != end - start:
                 raise _Transient(f"truncated body: {len(data)} of {end - start} bytes for range [{start}, {end})")
@@ -447,7 +482,7 @@ class _Server:
         store = self.store(req.store)
         prefix = req.prefix.strip("/") or None
         metas = _retrying(req.url, lambda: obstore.list(store, prefix=prefix).collect(), req.store)
-        return sorted((str(m["path"]), int(m["size"]), m.get("e_tag")) for m in metas)
+        return sorted((str(m["path"]), int(m["size"]), _validator(m)) for m in metas)
 
     def delete(self, req: DeleteRequest) -> None:
         import obstore

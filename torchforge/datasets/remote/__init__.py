@@ -4,7 +4,10 @@ MDS (:class:`RemoteMDSDataset`): ``index.json`` is read when the dataset is open
 the run reads: its ETag keys the node-local cache, so a dataset overwritten at the same URL is a new cache
 entry, never mixed into the files of the old one; the folder's listing (one LIST request per 1,000
 objects) pins every shard's ETag too, so a shard overwritten later raises
-:class:`~torchforge.remote.RemoteChangedError` whether or not index.json records its hashes. Each shard is fetched whole into the node-local cache on its first use, through
+:class:`~torchforge.remote.RemoteChangedError` whether or not index.json records its hashes. Where
+a server sends no ETag (a plain web server), each object's Last-Modified time (whole seconds) is the pin
+instead, checked on every reply; where it sends neither, index.json is read afresh at each open (its bytes
+are the version) and opening warns that a shard rewritten at the same size cannot be detected. Each shard is fetched whole into the node-local cache on its first use, through
 the node's fetcher process (:mod:`torchforge.remote`: one download per shard per node whatever the
 number of ranks and DataLoader workers, in parts fetched concurrently; size and the hashes index.json
 records checked before the file enters the cache), then memory-mapped as a local shard. Until a shard

@@ -109,6 +109,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         pinned = json.dumps(sorted((u, n, e) for u, n, e in listed.values()))
         self.version = hashlib.sha256(pinned.encode()).hexdigest()[:32]  # every object's ETag and size
         self._folder = self._node_folder()
+        self._warn_unversioned()
 
     # --- _RemoteShards ------------------------------------------------------------------------------
     def _objects(self, k: int) -> list[tuple[str, int, str | None, dict[str, str] | None]]:

@@ -6,7 +6,6 @@ import itertools
 import logging
 import operator
 import os
-import shutil
 import struct
 import tempfile
 from collections.abc import Mapping
@@ -63,14 +62,24 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         client = self._client()
         index_url = f"{self.url}/{INDEX_BASENAME}"
         info = client.head(index_url, storage_options=self.storage_options)
-        self.version = info.etag  # the pinned version of the dataset
-        index = client.fetch(index_url, info.size, etag=info.etag, storage_options=self.storage_options)
-        key = hashlib.sha256(f"{index_url}\0{info.etag}\0{info.size}".encode()).hexdigest()[:32]
-        folder = os.path.join(client.cache_dir, "datasets", key)
-        _place(index, os.path.join(folder, INDEX_BASENAME))
+        self._index_pin = info.etag
+        if info.etag is not None:  # the pinned version of the dataset: its index's ETag (or Last-Modified)
+            self.version = info.etag
+            index = client.fetch(index_url, info.size, etag=info.etag, storage_options=self.storage_options)
+            key = hashlib.sha256(f"{index_url}\0{info.etag}\0{info.size}".encode()).hexdigest()[:32]
+            folder = os.path.join(client.cache_dir, "datasets", key)
+            _place(index, os.path.join(folder, INDEX_BASENAME))
+        else:  # nothing pins index.json: it is read afresh, and its bytes are the version
+            (raw,) = client.get_ranges(index_url, [(0, info.size)], storage_options=self.storage_options)
+            digest = hashlib.sha256(raw).hexdigest()[:32]
+            self.version = f"sha256:{digest}"
+            folder = os.path.join(client.cache_dir, "datasets", hashlib.sha256(
+                f"{index_url}\0{digest}".encode()).hexdigest()[:32])
+            _place_bytes(raw, os.path.join(folder, INDEX_BASENAME))
         super().__init__(folder, **kwargs)
         self._first = list(self._bounds)
         self._etags = self._pinned(client)
+        self._warn_unversioned()
         self._offsets: dict[int, list[int]] = {}
         self._decoders: dict[int, Any] = {}
         if mode == "ranges":
@@ -96,10 +105,10 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         pins = {u: etag for u, _, etag in listed if etag}
         index_url = f"{self.url}/{INDEX_BASENAME}"
         now = client.head(index_url, storage_options=self.storage_options).etag  # (as read: same API, same form)
-        if self.version and now != self.version:
+        if self._index_pin and now != self._index_pin:
             # overwritten between the index's read and the listing: these ETags may be the new shards'
             raise RemoteChangedError(f"index.json was overwritten while the dataset opened (ETag {now} after the "
-                                     f"listing, {self.version} when read): open it again", url=index_url)
+                                     f"listing, {self._index_pin} when read): open it again", url=index_url)
         return pins
 
     def _headed(self, client: Any) -> dict[str, str]:
@@ -271,14 +280,21 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
 
 def _place(src: str, dst: str) -> None:
     """Copy the fetched index.json to ``dst`` atomically (once: the folder is keyed by its version)."""
+    if not os.path.exists(dst):
+        with open(src, "rb") as f:
+            _place_bytes(f.read(), dst)
+
+
+def _place_bytes(data: bytes, dst: str) -> None:
+    """Write index.json's bytes to ``dst`` atomically (once: the folder is keyed by its version)."""
     if os.path.exists(dst):
         return
     folder = os.path.dirname(dst)
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".index-")
-    os.close(fd)
     try:
-        shutil.copyfile(src, tmp)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, dst)
     except BaseException:
         if os.path.exists(tmp):

@@ -76,6 +76,7 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
         self._open = {}
         self._first = [0, *self._ends]
         self._ragged: dict[tuple[int, str], np.ndarray] = {}  # (shard, column) -> offsets (mode="ranges")
+        self._warn_unversioned()
 
     # --- mode="ranges" ------------------------------------------------------------------------------
     def __getitem__(self, i: int) -> Any:

@@ -96,6 +96,18 @@ class _RemoteShards:
         """Forget this process's map of shard ``k`` (every map with None); it goes when unused."""
         raise NotImplementedError
 
+    def _warn_unversioned(self) -> None:
+        """Warn, naming the first one, where objects have no version to pin: the server gives neither an
+        ETag nor a Last-Modified time, and no hash is recorded for them. Then nothing tells a shard rewritten
+        at the same URL and size from the one in the node's cache, and such a rewrite is not detected."""
+        bare = [url for k in range(len(self._first) - 1) for url, _, etag, hashes in self._objects(k)
+                if etag is None and not hashes]
+        if bare:
+            more = f" (and {len(bare) - 1} more)" if len(bare) > 1 else ""
+            warnings.warn(f"{bare[0]}{more}: the server gives neither an ETag nor a Last-Modified time, and no "
+                          "hash is recorded: a shard rewritten at the same size cannot be told from the one in "
+                          "the cache (serve ETags, or record shard hashes in the index)", stacklevel=3)
+
     # --- connections --------------------------------------------------------------------------------
     def _client(self) -> Any:
         """This process's connection to the node's fetcher (a forked worker opens its own)."""
