@@ -1561,6 +1561,49 @@ def test_an_mds_dataset_at_an_http_url_pins_every_shard_when_it_opens(tmp_path, 
         server.shutdown()
 
 
+class _NoRangeHandler(_RangeHandler):
+    """A web server that ignores Range and answers every GET with the whole file (200)."""
+
+    def do_GET(self):
+        path = self._file()
+        if path is not None:
+            with open(path, "rb") as f:
+                data = f.read()
+            self._headers(path, 200, len(data), {})
+            self.server.gets.append((self.path, bool(self.headers.get("Range"))))
+            self.wfile.write(data)
+
+
+def test_a_server_without_byte_ranges_serves_shards_whole_and_ranges_mode_says_so(tmp_path, monkeypatch):
+    """A shard larger than one part is fetched in range GETs; a server that answers them with the whole
+    file (200, obstore's NotSupportedError) gets one plain GET per shard instead, and every sample reads
+    (before: the download failed, telling the user to use mode='shards', the mode in use). In
+    mode='ranges' the error names the URL and says to use mode='shards'."""
+    import torchforge
+    from torchforge.formats.mds import MDSWriter
+
+    monkeypatch.setenv("TORCHFORGE_FETCH_BLOCK", str(64 * 1024))  # parts of 512 KiB: a 1.5 MB shard has 3
+    folder = tmp_path / "ds"
+    blobs = [os.urandom(50_000 + i) for i in range(60)]
+    with MDSWriter(str(folder), {"id": "int", "blob": "bytes"}, size_limit=1_500_000) as w:
+        for i, b in enumerate(blobs):
+            w.write({"id": i, "blob": b})
+    server = _serve(str(folder), _NoRangeHandler)
+    opts = {"storage_options": {"allow_http": True}}
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        ds = torchforge.open_dataset(url, mode="shards", cache_dir=tmp_path / "cache", **opts)
+        assert [bytes(ds[i]["blob"]) for i in range(len(ds))] == blobs
+        whole = sorted(p for p, ranged in server.gets if not ranged and p != "/index.json")
+        assert whole == sorted(f"/{m.raw_basename}" for m in ds.metas)  # one whole GET per shard
+        ranged = torchforge.open_dataset(url, mode="ranges", cache_dir=tmp_path / "cache2", **opts)
+        with pytest.raises(RemoteError, match="does not serve byte ranges: read this dataset with mode='shards'") as e:
+            ranged[0]
+        assert e.value.url == f"{url}/{ds.metas[0].raw_basename}"
+    finally:
+        server.shutdown()
+
+
 def test_a_server_that_gives_no_version_at_all_is_warned_about_and_its_index_is_read_afresh(tmp_path):
     """A server that sends neither ETag nor Last-Modified: nothing can tell a same-size rewrite from the
     cached shard, and opening says so (naming the URL). index.json is read afresh at every open and keys

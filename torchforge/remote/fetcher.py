@@ -101,6 +101,9 @@ def _classify(e: BaseException, url: str) -> BaseException:
         return RemoteChangedError("the object changed since the dataset was opened (its ETag differs from "
                                   "the pinned one): open the dataset again", url=url)
     text = str(e)
+    if isinstance(e, ox.NotSupportedError) and "range" in text.lower():  # a server that answers 200 to a Range
+        return RemoteError(f"the server does not serve byte ranges: read this dataset with mode='shards' "
+                           f"(whole objects) ({_short(e)})", url=url)
     if isinstance(e, (ox.GenericError, ConnectionError, TimeoutError)):
         low = _URL.sub(" ", text.lower())  # a key such as logs/status404.json says nothing about the reply
         m = _STATUS.search(low)  # "status 403" and obstore's "non-2xx status code: 403 Forbidden"
@@ -238,6 +241,8 @@ class _Source:
         self.key = key
         self.etag = etag
         self.spec = spec  # (its retry budget)
+        self.whole: bytes | None = None  # the whole object, where the server serves no byte ranges
+        self.lock = threading.Lock()  # one whole GET, however many parts find ranges refused
 
 
 def _hasher(name: str) -> Any | None:
@@ -401,6 +406,8 @@ class _Server:
             self.parts.end(d, error=e)
         else:
             self.parts.end(d, path=path)
+        finally:
+            d.context.whole = None  # (a server without ranges: the object's bytes are in the file now)
 
     def _filled(self, d: Download, req: FetchRequest, version: str, hashes: dict[str, str]) -> str:
         cache = ObjectCache(self.cache_dir, limit=req.cache_limit, policy=req.policy)
@@ -431,26 +438,39 @@ class _Server:
     def _fetch_part(self, d: Download, start: int, end: int) -> Any:
         """Bytes ``[start, end)`` of ``d``'s object: one GET (a range GET unless that is the whole object),
         pinned to the ETag (the one the object had when the download began, else the first reply's),
-        retried; length and object size checked."""
+        retried; length and object size checked. A server that serves no byte ranges gets one plain GET
+        of the whole object, kept in memory until the download ends, and every part is cut from it."""
         import obstore
+        from obstore.exceptions import NotSupportedError
 
         src: _Source = d.context
 
-        def once() -> Any:
-            if d.error is not None or d.ended:  # another part failed: this one is not needed any more
-                raise RemoteError(f"the download stopped: {d.error}", url=d.url)
-            whole = start == 0 and end == d.size  # a plain GET: servers without range support serve it too
-            opts = _pin({} if whole else {"range": (start, end)}, src.etag)
-            res = obstore.get(src.store, src.key, options=opts or None)
+        def get(s: int, e: int) -> Any:
+            whole = s == 0 and e == d.size  # a plain GET: servers without range support serve it too
+            res = obstore.get(src.store, src.key, options=_pin({} if whole else {"range": (s, e)}, src.etag) or None)
             _check_pinned(res.meta, src.etag, d.url)
             total = int(res.meta["size"])
             if total != d.size:
                 raise RemoteCorruptError(f"the object has {total} bytes, the index records {d.size}", url=d.url)
             src.etag = src.etag or _validator(res.meta)
             data = res.bytes()
-            if len(data) != end - start:
-                raise _Transient(f"truncated body: {len(data)} of {end - start} bytes for range [{start}, {end})")
+            if len(data) != e - s:
+                raise _Transient(f"truncated body: {len(data)} of {e - s} bytes for range [{s}, {e})")
             return data
+
+        def once() -> Any:
+            if d.error is not None or d.ended:  # another part failed: this one is not needed any more
+                raise RemoteError(f"the download stopped: {d.error}", url=d.url)
+            if src.whole is None:
+                try:
+                    return get(start, end)
+                except NotSupportedError as e:  # the server answered a Range with the whole object (200)
+                    if "range" not in str(e).lower():
+                        raise
+                    with src.lock:  # one plain GET of the whole object, kept while the download lasts
+                        if src.whole is None:
+                            src.whole = bytes(get(0, d.size))
+            return memoryview(src.whole)[start:end]
 
         return _retrying(d.url, once, src.spec)
 
