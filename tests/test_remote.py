@@ -30,7 +30,7 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
-from torchforge.errors import TorchforgeError
+from torchforge.errors import CorruptShardError, TorchforgeError
 from torchforge.remote import (
     CacheFullError,
     ObjectCache,
@@ -1600,6 +1600,132 @@ def test_a_server_without_byte_ranges_serves_shards_whole_and_ranges_mode_says_s
         with pytest.raises(RemoteError, match="does not serve byte ranges: read this dataset with mode='shards'") as e:
             ranged[0]
         assert e.value.url == f"{url}/{ds.metas[0].raw_basename}"
+    finally:
+        server.shutdown()
+
+
+def _jinx_footer_rewritten(path, fn, foot_line=None):
+    """Rewrite a JINX shard's footer JSON with ``fn(dict) -> dict`` (its lines kept), and optionally its last
+    line (the footer's offset)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    nl = data.rfind(b"\n", 0, len(data) - 1)
+    foot = int(data[nl + 1:-1])
+    footer = fn(json.loads(data[foot:nl]))
+    last = str(foot).encode() if foot_line is None else foot_line
+    with open(path, "wb") as f:
+        f.write(data[:foot] + json.dumps(footer).encode() + b"\n" + last + b"\n")
+
+
+@pytest.mark.parametrize("mode", ["shards", "ranges"])
+@pytest.mark.parametrize("count", [0, 10**15])
+def test_a_jinx_footer_lying_about_its_sample_count_is_refused_at_open_in_either_mode(tmp_path, mode, count):
+    """Every shard's index is checked against its footer's num_samples when the dataset opens, in either
+    mode (before, mode='shards' took the count on the footer's word: 0 for a shard of 12 samples dropped
+    them silently, 10**15 became len(ds) and a sampler's allocation)."""
+    import torchforge
+    from torchforge.formats.jinx import JinxWriter
+
+    local = tmp_path / "jx"
+    with JinxWriter(str(local), shard_size=1500, compression=None) as w:
+        for i in range(30):
+            w.write({"id": i, "text": f"sample {i}", "blob": bytes([i]) * (20 + i)})
+    last = max(os.listdir(local))
+    _jinx_footer_rewritten(local / last, lambda f: {**f, "num_samples": count})
+    server = _serve(str(local))
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(CorruptShardError, match=f"footer num_samples={count} needs") as e:
+            torchforge.open_dataset(url, mode=mode, cache_dir=tmp_path / "c", storage_options={"allow_http": True})
+        assert e.value.path == f"{url}/{last}"
+    finally:
+        server.shutdown()
+
+
+def test_lying_jinx_footer_offsets_and_index_lengths_fail_before_a_large_read(tmp_path, monkeypatch):
+    """A footer offset of 0 on a 2 MB shard, and a sidecar index claiming 1 MB for 2 samples, are typed
+    errors naming the URL, found before the bytes are fetched (before, both were read whole first: a 20 GB
+    shard would have been read into memory at open). A footer offset that does not start a line is refused
+    too, as the local reader refuses it."""
+    import torchforge
+    from torchforge.formats.jinx import JinxWriter
+
+    def fresh(name, **kw):
+        with JinxWriter(str(tmp_path / name), shard_size=1 << 30, compression=None, **kw) as w:
+            for i in range(2000 if name != "side" else 2):
+                w.write({"id": i, "blob": os.urandom(1000)})
+        return tmp_path / name / "shard-00000.jinx"
+
+    monkeypatch.setattr("torchforge.datasets.remote.jinx.MAX_FOOTER", 1 << 20)  # (64 MiB: a large shard to write)
+    _jinx_footer_rewritten(fresh("zero"), lambda f: f, foot_line=b"0")
+    shifted = fresh("shifted")
+    data = shifted.read_bytes()
+    nl = data.rfind(b"\n", 0, len(data) - 1)
+    _jinx_footer_rewritten(shifted, lambda f: f, foot_line=str(int(data[nl + 1:-1]) - 5).encode())
+    side = fresh("side", binary_threshold=16)
+    with open(tmp_path / "side" / "shard-00000.binx", "ab") as f:
+        f.write(b"\0" * (1 << 20))
+
+    def in_sidecar(footer):
+        key = next(k for k in footer if k.startswith("index."))
+        value = footer.pop(key)
+        if not key.endswith(".bin"):  # an inline index, moved into the sidecar's tail
+            key += ".bin"
+            value = {"offset": 0, "length": 1 << 20}
+        return {**footer, key: {**value, "length": 1 << 20}}
+
+    _jinx_footer_rewritten(side, in_sidecar)
+    server = _serve(str(tmp_path))
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for name, match in [("zero", "more than"), ("shifted", "does not start a line"),
+                            ("side", "the index in the sidecar is 1048576 bytes, more than")]:
+            server.gets.clear()
+            with pytest.raises(CorruptShardError, match=match) as e:
+                torchforge.open_dataset(f"{url}/{name}", cache_dir=tmp_path / "c", storage_options={"allow_http": True})
+            assert e.value.path == f"{url}/{name}/shard-00000.jinx"
+            assert not [p for p, ranged in server.gets if not ranged]  # no whole object fetched
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("limit", [None, "1GB"])
+def test_errors_of_a_shard_checked_once_fetched_name_its_url_not_the_cache_file(tmp_path, limit):
+    """A safetensors shard's ragged offsets are checked when the shard is mapped from the node's cache
+    (mode='shards'): the error names the shard's URL (before, the cache file). A JINX shard whose index
+    lives in a missing sidecar is refused at open, naming the URLs (before, at read, with an invented
+    '.jinx.no-sidecar' cache file name)."""
+    import torch
+
+    import torchforge
+    from torchforge.datasets.safetensors import SafetensorsShardWriter
+    from torchforge.formats.jinx import JinxWriter
+
+    st = tmp_path / "st"
+    with SafetensorsShardWriter(str(st), samples_per_shard=7) as w:
+        for i in range(14):
+            w.write({"ids": torch.arange(i % 5 + 1), "y": torch.tensor(float(i))})
+    raw = bytearray((st / "shard-00001.safetensors").read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    at = 8 + n + json.loads(raw[8:8 + n])["ids.offsets"]["data_offsets"][0] + 8 * 3
+    raw[at:at + 8] = struct.pack("<q", 0)  # a ragged offset that falls
+    (st / "shard-00001.safetensors").write_bytes(bytes(raw))
+    jx = tmp_path / "jx"
+    with JinxWriter(str(jx), shard_size=1500, compression=None, binary_threshold=16) as w:
+        for i in range(30):
+            w.write({"id": i, "blob": bytes([i]) * (20 + i)})
+    (jx / "shard-00001.binx").unlink()
+    server = _serve(str(tmp_path))
+    opts = {"mode": "shards", "cache_limit": limit, "storage_options": {"allow_http": True}}
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        ds = torchforge.open_dataset(f"{url}/st", cache_dir=tmp_path / "c", **opts)
+        with pytest.raises(CorruptShardError, match="offsets of ragged column 'ids'") as e:
+            ds[7]
+        assert e.value.path == f"{url}/st/shard-00001.safetensors" and str(tmp_path / "c") not in str(e.value)
+        with pytest.raises(CorruptShardError, match="sidecar shard-00001.binx, which is missing") as e:
+            torchforge.open_dataset(f"{url}/jx", cache_dir=tmp_path / "c", **opts)
+        assert e.value.path == f"{url}/jx/shard-00001.jinx"
     finally:
         server.shutdown()
 

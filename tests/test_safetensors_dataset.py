@@ -162,3 +162,40 @@ def test_pickles_by_path_for_worker_processes(tmp_path):
     blob = pickle.dumps(ds)
     assert len(blob) < 10_000  # no tensor data travels, only paths and the index
     _check(pickle.loads(blob), _samples(9))
+
+
+def _raw_shard(path: Path, header: dict, data: bytes) -> None:
+    """A safetensors file with exactly this header (no writer's checks)."""
+    import json
+    import struct
+
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(struct.pack("<Q", len(head)) + head + data)
+
+
+def test_columns_a_dataset_cannot_index_by_row_are_refused_when_it_opens(tmp_path):
+    """Found by a hostile-file review: an F6 column (no torch dtype: its rows came back as single bytes, row
+    j being byte j, silently), a column of 2**63 empty rows (len() raised a bare OverflowError), and a
+    column whose dtype differs between shards (read without error, then a bare RuntimeError in collate)
+    are each a typed error naming the shard."""
+    f6 = tmp_path / "f6"
+    f6.mkdir()
+    _raw_shard(f6 / "shard-00000.safetensors", {"y": {"dtype": "F6_E2M3", "shape": [7, 4], "data_offsets": [0, 21]}},
+               bytes(range(100, 121)))
+    with pytest.raises(FormatError, match="F6_E2M3") as e:
+        SafetensorsDataset(str(f6))
+    assert e.value.path.endswith("shard-00000.safetensors")
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    _raw_shard(huge / "shard-00000.safetensors", {"y": {"dtype": "F32", "shape": [2**63, 0], "data_offsets": [0, 0]}},
+               b"")
+    with pytest.raises(CorruptShardError, match="9223372036854775808 rows"):
+        SafetensorsDataset(str(huge))
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    save_safetensors({"y": torch.zeros(7)}, str(mixed / "shard-00000.safetensors"))
+    save_safetensors({"y": torch.zeros(7, 3, dtype=torch.int64)}, str(mixed / "shard-00001.safetensors"))
+    with pytest.raises(CorruptShardError, match="column 'y' is I64, the first shard's is F32") as e:
+        SafetensorsDataset(str(mixed))
+    assert e.value.path.endswith("shard-00001.safetensors")

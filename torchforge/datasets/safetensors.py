@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, Self
 
@@ -27,6 +28,7 @@ import torch
 from torchforge.datasets.base import ShardDataset, register_format
 from torchforge.errors import CorruptShardError, FormatError, NotFoundError
 from torchforge.formats.safetensors import (
+    DTYPES,
     SafetensorsFile,
     TensorInfo,
     read_header,
@@ -70,6 +72,11 @@ def _columns(infos: Mapping[str, TensorInfo], path: str) -> tuple[int, dict[str,
             if not info.shape:
                 raise CorruptShardError(f"column {name!r} is 0-dim; expected shape [n, ...]", path=path)
             rows = info.shape[0]
+        if DTYPES.get(info.dtype, (0, None))[1] is None:  # F6 (float8 on an old torch): no torch type
+            raise FormatError(f"column {name!r} is {info.dtype}, which this torch has no type for: its rows "
+                              "cannot be read as tensors", path=path)
+        if rows > sys.maxsize:
+            raise CorruptShardError(f"column {name!r} claims {rows} rows, more than any length can be", path=path)
         if n is not None and rows != n:
             raise CorruptShardError(f"column {name!r} has {rows} samples, another column {n}", path=path)
         n = rows
@@ -144,8 +151,19 @@ class SafetensorsDataset(ShardDataset):
         if self._cols and set(cols) != set(self._cols[0]):
             raise CorruptShardError(f"shard has columns {sorted(cols)}, the first shard "
                                     f"{sorted(self._cols[0])}", path=where)
+        # A column's dtype is the same in every shard (its row shape may differ: a shard whose rows agree
+        # stores them fixed, another ragged, and each one's fixed rows may have their own shape).
+        kinds = {c: infos[c].dtype for c in cols}
+        first = self._kinds if self._cols else kinds
+        for c, kind in kinds.items():
+            if kind != first[c]:
+                raise CorruptShardError(f"column {c!r} is {kind}, the first shard's is {first[c]}", path=where)
+        total = (self._ends[-1] if self._ends else 0) + n
+        if total > sys.maxsize:
+            raise CorruptShardError(f"the shards so far hold {total} rows, more than any length can be", path=where)
+        self._kinds = first
         self._cols.append(cols)
-        self._ends.append((self._ends[-1] if self._ends else 0) + n)
+        self._ends.append(total)
 
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0

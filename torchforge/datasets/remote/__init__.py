@@ -91,7 +91,9 @@ def open_remote(url: str, **kwargs: Any) -> Any:
             continue
         except (CorruptShardError, SafetensorsError):
             raise
-        except FormatError:  # objects, none of this format
+        except FormatError as e:  # objects, none of this format (an error naming one shard is that shard's)
+            if e.path not in (url, url.rstrip("/"), folder):
+                raise
             found = True
     if refused is not None:  # the format these options were for is not here: say which options did not fit
         raise refused

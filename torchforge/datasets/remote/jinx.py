@@ -11,7 +11,7 @@ import numpy as np
 import orjson
 
 from torchforge.datasets.jinx import JinxDataset
-from torchforge.datasets.remote.shards import _RemoteShards, _Spans
+from torchforge.datasets.remote.shards import _RemoteShards, _Spans, as_urls
 from torchforge.errors import CorruptShardError, FormatError, TorchforgeError
 from torchforge.formats.jinx_reader import LINE_PARSER, JinxShard
 from torchforge.lazy import lazy_sample
@@ -73,7 +73,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         if not names:
             raise FormatError("folder holds no shard-*.jinx objects", path=self.url)
         kept = []
-        self._ranged: list[_RangeShard | None] = []  # each kept shard's index, no map (mode="shards": on demand)
+        self._ranged: list[_RangeShard | None] = []  # each kept shard's footer and index, checked; no map
         self._footers: list[tuple[dict, int]] = []  # each kept shard's footer and where it starts
         nexts: dict[str, str] = {}  # shard -> the base name of the next shard its footer names
         for name in names:
@@ -91,7 +91,9 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
                 objs.append((side[0], side[1], side[2], None))
             kept.append((objs, count, shard_split))
             self._footers.append((footer, foot))
-            self._ranged.append(self._ranges_of(objs, footer, foot, client) if mode == "ranges" else None)
+            # the index checked against num_samples now, in either mode: a footer that lies about the count
+            # would otherwise size the dataset (samples dropped, or a sampler's allocation of 10**15)
+            self._ranged.append(self._ranges_of(objs, footer, foot, client))
         _check_chain(self.url, names, nexts)
         self.shard_splits = [shard_split for _, _, shard_split in kept]  # from the footers
         self._remote_objs = [objs for objs, _, _ in kept]
@@ -117,15 +119,18 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
 
     def _map(self, k: int, paths: list[str]) -> tuple[Any, list[Any]]:
         objs = self._remote_objs[k]
-        shard = JinxShard(paths[0], bin_path=paths[1] if len(paths) > 1 else paths[0] + ".no-sidecar")
-        if len(paths) > 1:
-            shard._open_sidecar(0)  # mapped now, so that its map is held with the shard's
+        side = objs[1][0] if len(objs) > 1 else os.path.splitext(objs[0][0])[0] + ".binx"
+        missing = paths[0] + ".no-sidecar"
+        with as_urls({paths[0]: objs[0][0], (paths[1] if len(paths) > 1 else missing): side}):
+            shard = JinxShard(paths[0], bin_path=paths[1] if len(paths) > 1 else missing)
+            if len(paths) > 1:
+                shard._open_sidecar(0)  # mapped now, so that its map is held with the shard's
         if shard.num_samples != self._counts[k] or not self._wanted(shard):
             raise FormatError(f"the shard holds {shard.num_samples} samples, its footer said {self._counts[k]} "
                               "when the dataset was opened", path=objs[0][0])
         shard.zero_copy = self.cache_limit is None  # with a limit, a sample does not keep its shard mapped
         shard.path = objs[0][0]  # errors from now on name the URL
-        shard.bin_path = objs[1][0] if len(objs) > 1 else os.path.splitext(objs[0][0])[0] + ".binx"
+        shard.bin_path = side
         self._jshards[k] = shard
         return shard, [shard._mm, shard._bin_mm]
 
@@ -319,10 +324,18 @@ def _jinx_footer(client: Any, url: str, size: int, etag: str | None,
     foot = int(digits)
     if foot >= base + nl:
         raise CorruptShardError(f"footer offset {foot} is not before the last line", path=url, offset=base + nl + 1)
-    if foot >= base:
-        raw = data[foot - base:nl]
+    if base + nl - foot > MAX_FOOTER:  # a lying offset must not fetch (and hold) the whole shard
+        raise CorruptShardError(f"footer offset {foot} makes a footer of {base + nl - foot} bytes, more than "
+                                f"{MAX_FOOTER}: the offset is wrong", path=url, offset=base + max(nl + 1, 0))
+    start = foot - 1 if foot else 0  # with the byte before the footer, which must end a line
+    if start >= base:
+        raw = data[start - base:nl]
     else:
-        (raw,) = client.get_ranges(url, [(foot, base + nl)], etag=etag, storage_options=storage_options)
+        (raw,) = client.get_ranges(url, [(start, base + nl)], etag=etag, storage_options=storage_options)
+    if foot:  # the footer begins a line, as the local reader checks
+        if raw[:1] != b"\n":
+            raise CorruptShardError(f"footer offset {foot} does not start a line", path=url, offset=foot)
+        raw = raw[1:]
     try:
         footer = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -331,6 +344,11 @@ def _jinx_footer(client: Any, url: str, size: int, etag: str | None,
     if type(n) is not int or n < 0:
         raise CorruptShardError(f"footer num_samples={n!r} is not a non-negative integer", path=url, offset=foot)
     return footer, foot
+
+
+#: The longest footer a remote shard's last line may point at (an inline index of about 6M samples): a lying
+#: offset fails here instead of fetching the whole shard into memory.
+MAX_FOOTER = 64 << 20
 
 
 class _RangeShard(JinxShard):
@@ -355,6 +373,11 @@ class _RangeShard(JinxShard):
         loc = footer.get(key)
         if key.endswith(f"{sep}bin") and isinstance(loc, dict) and side is not None:  # the index is in the sidecar
             o, n = loc.get("offset"), loc.get("length")
+            count = footer.get("num_samples")
+            most = 16 * (count + 1) + 4096 if type(count) is int and count >= 0 else 0  # (8 bytes an offset)
+            if type(n) is int and n > most:  # a lying length must not fetch a large range: say so now
+                raise CorruptShardError(f"the index in the sidecar is {n} bytes, more than the offsets of "
+                                        f"{count} samples take ({most} at most)", path=url, offset=foot)
             if type(o) is int and type(n) is int and 0 <= o and 0 < n and o + n <= side[1]:
                 (data,) = client.get_ranges(side[0], [(o, o + n)], etag=side[2], storage_options=storage_options)
                 self._side = _Spans([(o, o + n)], [data])

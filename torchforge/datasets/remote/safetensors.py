@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchforge.datasets.remote.shards import _RemoteShards, _Spans
+from torchforge.datasets.remote.shards import _RemoteShards, _Spans, as_urls
 from torchforge.datasets.safetensors import OFFSETS, SafetensorsDataset, check_offsets
 from torchforge.errors import FormatError
 from torchforge.formats.safetensors import MAX_HEADER_SIZE, SafetensorsFile, parse_header, storage_shape
@@ -171,8 +171,9 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
 
     def _map(self, k: int, paths: list[str]) -> tuple[Any, list[Any]]:
         self._files[k] = paths[0]
-        f = SafetensorsFile(paths[0])
-        return self._load(k, f), [f._buf]
+        with as_urls({paths[0]: self._remote_objs[k][0][0]}):  # (its checks name the URL, not the cache file)
+            f = SafetensorsFile(paths[0])
+            return self._load(k, f), [f._buf]
 
     def _drop(self, k: int | None) -> None:
         if k is None:

@@ -15,13 +15,14 @@ import uuid
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from torchforge._limits import ensure_open_files
+from torchforge.errors import TorchforgeError
 from torchforge.remote import FetcherClient, RemoteCorruptError, RemoteNotFoundError, connect
 from torchforge.sizes import parse_size
 
@@ -35,6 +36,22 @@ READERS = 8  # shards whose ranges a process reads at once (one fetcher connecti
 BYPASS_SHARE = 0.1  # whole shards downloaded serving fewer samples than this share of one: read ranges instead
 # (0: never switch to ranges, for either reason; see _limited_batch)
 BYPASS_AFTER = 4  # downloads before that is judged
+
+
+@contextlib.contextmanager
+def as_urls(names: Mapping[str, str]) -> Iterator[None]:
+    """Errors raised inside name objects by their URLs, not by their files in the node's cache: a
+    TorchforgeError whose path is one of ``names`` (cache file -> URL) is raised with that URL as its path
+    (its type, offset and the rest kept), and the cache files named in its reason become URLs too."""
+    try:
+        yield
+    except TorchforgeError as e:
+        if e.path in names:
+            for local, url in names.items():
+                e.reason = e.reason.replace(local, url).replace(os.path.basename(local), url)
+            e.path = names[e.path]
+            e.args = (str(e),)
+        raise
 
 
 class _RemoteShards:
