@@ -1469,9 +1469,13 @@ class _RangeHandler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 128  # (http.server's 5 drops connections a client opens at once: 1 s SYN retries)
+
+
 def _serve(folder, handler=None):
     """A ThreadingHTTPServer serving ``folder`` with ``handler`` (:class:`_RangeHandler`) in a thread."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler or _RangeHandler)
+    server = _Server(("127.0.0.1", 0), handler or _RangeHandler)
     server.folder, server.gets = folder, []
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
@@ -1726,6 +1730,48 @@ def test_errors_of_a_shard_checked_once_fetched_name_its_url_not_the_cache_file(
         with pytest.raises(CorruptShardError, match="sidecar shard-00001.binx, which is missing") as e:
             torchforge.open_dataset(f"{url}/jx", cache_dir=tmp_path / "c", **opts)
         assert e.value.path == f"{url}/jx/shard-00001.jinx"
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["shards", "ranges"])
+def test_opening_a_jinx_dataset_over_http_reads_the_shards_heads_concurrently(tmp_path, mode):
+    """Probing for shards (HEAD), footers and sidecar indexes are a round trip each: opening issues them
+    several at a time (before: one after the other, 1.45 s for 14 shards behind a 20 ms server; now
+    0.36-0.50 s). Counted here as the most requests the server had in flight at once."""
+    import torchforge
+    from torchforge.formats.jinx import JinxWriter
+
+    class Slow(_RangeHandler):
+        def _slowly(self, serve):
+            with self.server.lock:
+                self.server.inflight += 1
+                self.server.most = max(self.server.most, self.server.inflight)
+            try:
+                time.sleep(0.05)
+                serve()
+            finally:
+                with self.server.lock:
+                    self.server.inflight -= 1
+
+        def do_GET(self):
+            self._slowly(super().do_GET)
+
+        def do_HEAD(self):
+            self._slowly(super().do_HEAD)
+
+    local = tmp_path / "jx"
+    with JinxWriter(str(local), shard_size=1000, compression=None, binary_threshold=16) as w:
+        for i in range(200):
+            w.write({"id": i, "blob": bytes([i]) * 300})
+    shards = len([n for n in os.listdir(local) if n.endswith(".jinx")])
+    server = _serve(str(local), Slow)
+    server.lock, server.inflight, server.most = threading.Lock(), 0, 0
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        ds = torchforge.open_dataset(url, mode=mode, cache_dir=tmp_path / "c", storage_options={"allow_http": True})
+        assert shards >= 8 and len(ds) == 200 and bytes(ds[199]["blob"]) == bytes([199]) * 300
+        assert server.most >= 4, server.most
     finally:
         server.shutdown()
 

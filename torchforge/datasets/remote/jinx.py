@@ -76,24 +76,31 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         self._ranged: list[_RangeShard | None] = []  # each kept shard's footer and index, checked; no map
         self._footers: list[tuple[dict, int]] = []  # each kept shard's footer and where it starts
         nexts: dict[str, str] = {}  # shard -> the base name of the next shard its footer names
-        for name in names:
+
+        def opened(client: Any, name: str) -> tuple[dict, int, list[Any], _RangeShard | None]:
+            """A shard's footer and, if the split wants it, its index (checked against num_samples now, in
+            either mode: a footer lying about the count would size the dataset). Shards open ``READERS`` at
+            a time: a footer and an index are a round trip each."""
             u, size, etag = listed[name]
             footer, foot = _jinx_footer(client, u, size, etag, self.storage_options)
-            if isinstance(footer.get("shard_next"), str) and footer["shard_next"]:
-                nexts[name] = footer["shard_next"].replace("\\", "/").rsplit("/", 1)[-1]
-            count, shard_split = footer["num_samples"], footer.get("split")
-            shard_split = shard_split if isinstance(shard_split, str) else None
-            if split is not None and shard_split != split:
-                continue
+            shard_split = footer.get("split") if isinstance(footer.get("split"), str) else None
             objs: list[tuple[str, int, str | None, dict[str, str] | None]] = [(u, size, etag, None)]
             side = listed.get(name[:-len(".jinx")] + ".binx")
             if side is not None:
                 objs.append((side[0], side[1], side[2], None))
-            kept.append((objs, count, shard_split))
+            if split is not None and shard_split != split:
+                return footer, foot, objs, None
+            return footer, foot, objs, self._ranges_of(objs, footer, foot, client)  # (takes the index out)
+
+        for name, (footer, foot, objs, ranged) in zip(names, self._spread(opened, names, wide=True)):
+            if isinstance(footer.get("shard_next"), str) and footer["shard_next"]:
+                nexts[name] = footer["shard_next"].replace("\\", "/").rsplit("/", 1)[-1]
+            if ranged is None:  # another split's shard
+                continue
+            shard_split = footer.get("split") if isinstance(footer.get("split"), str) else None
+            kept.append((objs, footer["num_samples"], shard_split))
             self._footers.append((footer, foot))
-            # the index checked against num_samples now, in either mode: a footer that lies about the count
-            # would otherwise size the dataset (samples dropped, or a sampler's allocation of 10**15)
-            self._ranged.append(self._ranges_of(objs, footer, foot, client))
+            self._ranged.append(ranged)
         _check_chain(self.url, names, nexts)
         self.shard_splits = [shard_split for _, _, shard_split in kept]  # from the footers
         self._remote_objs = [objs for objs, _, _ in kept]

@@ -116,7 +116,7 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         listed: the whole dataset is pinned when it opens, so no epoch mixes shards of two versions."""
         urls = [self._stored(m)[0] for m in self.metas]
         infos = self._spread(lambda client, url: client.head(url, storage_options=self.storage_options),
-                             urls) if urls else []
+                             urls, wide=True) if urls else []
         self._check_sizes({u: info.size for u, info in zip(urls, infos)})
         return {u: info.etag for u, info in zip(urls, infos) if info.etag}
 

@@ -130,10 +130,12 @@ class _RemoteShards:
         """This process's connection to the node's fetcher (a forked worker opens its own)."""
         return self._clients()[0]
 
-    def _clients(self) -> list[Any]:
+    def _clients(self, wide: bool = False) -> list[Any]:
         """This process's ``READERS`` connections to the fetcher (one request at a time each) and the
-        threads that use them to read several shards' ranges at once."""
-        n = READERS if self.mode == "ranges" or self._bypass or (self._EARLY and self.cache_limit is None) else 1
+        threads that use them to read several shards' ranges at once (one connection where this process
+        reads whole shards only, unless ``wide``: opening a dataset reads every shard's head)."""
+        n = READERS if wide or self.mode == "ranges" or self._bypass or (self._EARLY and self.cache_limit is None) \
+            else 1
         if self._client_of is None or self._client_of[0] != os.getpid() or len(self._client_of[1]) < n:
             # the first is the process's shared client (the calling thread's); the reader threads each get
             # their own connection: a client serves one request at a time
@@ -159,19 +161,28 @@ class _RemoteShards:
         return out
 
     def _probe(self, client: Any, suffixes: tuple[str, ...]) -> dict[str, tuple[str, int, str | None]]:
+        """The shards found by HEAD requests, ``READERS`` shards' names at a time."""
         out: dict[str, tuple[str, int, str | None]] = {}
-        for k in itertools.count():
-            for name in (f"shard-{k:05d}{suffix}" for suffix in suffixes):
-                u = f"{self.url}/{name}"
-                try:
-                    info = client.head(u, storage_options=self.storage_options)
-                except RemoteNotFoundError:
-                    if name.endswith(suffixes[0]):
-                        if not out:
-                            raise
-                        return out
-                    continue
-                out[name] = (u, info.size, info.etag)
+
+        def head(client: Any, name: str) -> Any:
+            try:
+                return client.head(f"{self.url}/{name}", storage_options=self.storage_options)
+            except RemoteNotFoundError as e:
+                return e
+
+        for first in itertools.count(0, READERS):
+            shards = [f"shard-{k:05d}" for k in range(first, first + READERS)]
+            names = [shard + suffix for shard in shards for suffix in suffixes]
+            got = dict(zip(names, self._spread(head, names, wide=True)))
+            for shard in shards:  # up to the first shard missing
+                if isinstance(got[shard + suffixes[0]], RemoteNotFoundError):
+                    if not out:
+                        raise got[shard + suffixes[0]]
+                    return out
+                for name in (shard + suffix for suffix in suffixes):
+                    info = got[name]
+                    if not isinstance(info, RemoteNotFoundError):
+                        out[name] = (f"{self.url}/{name}", info.size, info.etag)
         raise AssertionError("unreachable")
 
     def _checked(self, indices: list[int]) -> list[int]:
@@ -329,10 +340,10 @@ class _RemoteShards:
 
         return dict(zip(shards, self._spread(read, shards)))
 
-    def _spread(self, fn: Callable[[Any, Any], Any], items: list[Any]) -> list[Any]:
+    def _spread(self, fn: Callable[[Any, Any], Any], items: list[Any], wide: bool = False) -> list[Any]:
         """``fn(client, item)`` for each item, ``READERS`` at a time on their own connections (in this
-        thread for a single item); the results in order."""
-        clients = self._clients()
+        thread for a single item; see :meth:`_clients` for ``wide``); the results in order."""
+        clients = self._clients(wide)
         if len(items) == 1:
             return [fn(clients[0], items[0])]
         assert self._client_of is not None
