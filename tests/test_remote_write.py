@@ -24,6 +24,7 @@ boto3 = pytest.importorskip("boto3")
 import torchforge
 from torchforge.cli import main
 from torchforge.convert import convert
+from torchforge.errors import CorruptShardError
 from torchforge.lazy import materialize
 from torchforge.remote import (
     FetcherClient,
@@ -544,3 +545,108 @@ def test_the_fetcher_runs_in_its_own_session_so_a_terminal_ctrl_c_does_not_kill_
     # Ctrl-C signals the terminal's foreground process group: before, the fetcher was in the job's and
     # died mid-request, and the upload's cleanup then raced a second fetcher re-sending the PUTs
     assert os.getpgid(fetchers[0].pid) != os.getpgid(0) and os.getsid(fetchers[0].pid) != os.getsid(0)
+
+
+# -- overwrites and cleanups that fail half-way (found by review) --------------------------------------------
+def test_an_overwrite_replaces_the_old_dataset_and_keeps_other_objects(env, tmp_path):
+    """--overwrite deletes the old dataset's files only: a README, notes and a sub-folder's other files at
+    the destination stay (before, every object below the prefix was deleted)."""
+    url = f"s3://{BUCKET}/keep/ds"
+    convert(_write_mds(tmp_path / "a", n=60), url, to="mds", cache_dir=env.cache, storage_options=env.opts,
+            size_limit=16384)
+    for key in ("keep/ds/README.md", "keep/ds/notes/labels.csv", "keep/ds/val/index.json.bak"):
+        env.s3.put_object(Bucket=BUCKET, Key=key, Body=b"mine")
+    convert(_write_mds(tmp_path / "b", n=5, seed=9), url, to="mds", cache_dir=env.cache, storage_options=env.opts,
+            overwrite=True)
+    assert env.keys("keep/ds") == ["keep/ds/README.md", "keep/ds/index.json", "keep/ds/notes/labels.csv",
+                                   "keep/ds/shard.00000.mds", "keep/ds/val/index.json.bak"]
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "read", storage_options=env.opts)
+    assert [s["id"] for s in ds] == [r["id"] for r in mds_rows(5, 9)]
+
+
+def test_an_overwrite_whose_deletes_fail_half_way_leaves_no_shorter_old_dataset(env, tmp_path):
+    """A JINX overwrite deletes the shard that ends the old chain first, then the others last first: when a
+    later delete fails, what is left is refused as an incomplete chain (before, the old dataset's head was
+    deleted first, and a failure left its tail, which opened as a short dataset and passed verify)."""
+    url = f"s3://{BUCKET}/half/ds"
+    convert(_write_mds(tmp_path / "a", n=60), url, to="jinx", cache_dir=env.cache, storage_options=env.opts,
+            shard_size=4096, compression=None)
+    old = [k for k in env.keys("half/ds") if k.endswith(".jinx")]
+    assert len(old) >= 3
+    deletes: list[str] = []
+
+    def deny(method, path):
+        if method == "POST" and "delete" in path.split("?", 1)[-1]:
+            deletes.append(path)
+            return 500 if len(deletes) > 1 else None  # the first group goes, every later request fails
+        return None
+
+    env.proxy.deny = deny
+    try:
+        with pytest.raises(RemoteError):
+            convert(_write_mds(tmp_path / "b", n=5, seed=9), url, to="jinx", cache_dir=env.cache,
+                    storage_options={**env.opts, "max_retries": 0}, overwrite=True)
+    finally:
+        env.proxy.deny = None
+    left = [k for k in env.keys("half/ds") if k.endswith(".jinx")]
+    assert left == old[:-1]  # the chain's end went first; nothing new was uploaded
+    with pytest.raises(CorruptShardError, match="incomplete"):
+        torchforge.open_dataset(url, cache_dir=tmp_path / "read", storage_options=env.opts)
+
+
+@pytest.mark.parametrize("to", ["mds", "jinx"])
+def test_a_failed_upload_whose_last_file_cannot_be_removed_keeps_its_data_files(env, tmp_path, to):
+    """The last file (index.json, the chain's last shard) is stored though its PUT's reply was lost, and
+    removing it fails: the cleanup then leaves every file in place, so the dataset there is whole (before, it
+    removed the rest: an index naming no shards, or a lone last shard that opened as a 5-sample dataset)."""
+    src = _write_mds(tmp_path / "src", n=60)
+    local = tmp_path / "local"
+    opts = {"size_limit": 8192} if to == "mds" else {"shard_size": 8192, "compression": None}
+    convert(src, str(local), to=to, **opts)
+    last = "index.json" if to == "mds" else max(f for f in os.listdir(local) if f.endswith(".jinx"))
+    url = f"s3://{BUCKET}/dangling/{to}"
+    deletes: list[str] = []
+
+    def deny(method, path):
+        if method == "POST" and "delete" in path.split("?", 1)[-1]:
+            deletes.append(path)
+            return 500  # every delete fails
+        return None
+
+    env.proxy.lose = lambda m, p: (0.0, 500) if m == "PUT" and p.split("?")[0].endswith(last) else (0.0, None)
+    env.proxy.deny = deny
+    try:
+        with pytest.raises(RemoteError):
+            convert(src, url, to=to, cache_dir=env.cache, storage_options={**env.opts, "max_retries": 0}, **opts)
+    finally:
+        env.proxy.lose = env.proxy.deny = None
+    assert len(deletes) == 1  # the last file's delete failed: no other delete was tried
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "read", storage_options=env.opts)
+    assert sorted(int(s["id"]) for s in ds) == sorted(r["id"] for r in mds_rows(60, 3))
+
+
+def test_verify_says_when_no_checksum_covers_the_shards(env, tmp_path, capsys):
+    """A byte changed inside a string value still decodes: verify cannot see it where the writer recorded
+    no hashes, and now says so on a NOTE line (before: '0 problems' and nothing else)."""
+    url = f"s3://{BUCKET}/nohash/ds"
+    convert(_write_mds(tmp_path / "src", n=20), url, to="mds", cache_dir=env.cache, storage_options=env.opts)
+    assert main(["verify", url, "--cache-dir", str(tmp_path / "v"), "--storage-option",
+                 f"endpoint={env.proxy.url}"]) == 0
+    out = capsys.readouterr().out
+    assert "NOTE 1 of 1 shards carry no checksum (mds: its writer recorded no hashes)" in out
+
+
+def test_errors_of_a_remote_mds_shard_name_its_url(env, tmp_path):
+    """A shard whose header contradicts index.json is found when it is mapped from the node's cache; the
+    error names its URL (before, the cache file)."""
+    url = f"s3://{BUCKET}/named/ds"
+    convert(_write_mds(tmp_path / "src", n=60), url, to="mds", cache_dir=env.cache, storage_options=env.opts,
+            size_limit=16384)
+    shard = sorted(k for k in env.keys("named/ds") if k.endswith(".mds"))[1]
+    data = bytearray(env.s3.get_object(Bucket=BUCKET, Key=shard)["Body"].read())
+    data[0] ^= 0x01  # the sample count in the shard's header
+    env.s3.put_object(Bucket=BUCKET, Key=shard, Body=bytes(data))
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "read", cache_limit="1GB", storage_options=env.opts)
+    with pytest.raises(CorruptShardError, match="index.json says") as e:
+        ds[ds.metas[0].samples]  # the first sample of shard.00001
+    assert e.value.path == f"s3://{BUCKET}/{shard}"

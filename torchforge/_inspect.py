@@ -68,3 +68,14 @@ def _mds_checks(ds: Any) -> list[TorchforgeError]:
 def format_checks(ds: Any) -> list[TorchforgeError]:
     """Checks beyond decoding every sample (checksums recorded by the writer)."""
     return _mds_checks(ds) if ds.format_name == "mds" else []
+
+
+def unhashed_shards(ds: Any) -> tuple[int, int]:
+    """(shards whose bytes no recorded checksum covers, shards): verify can find a changed byte in those
+    only where it no longer decodes. MDS records hashes in index.json when its writer was asked to (local
+    or remote); JINX and safetensors record none."""
+    if ds.format_name != "mds":
+        n = len(ds._starts) if ds.format_name == "jinx" else len(ds._ends)  # (shards, not their sidecars)
+        return n, n
+    bare = sum(1 for m in ds.metas if not ((m.raw.get("zip_data") or m.raw.get("raw_data") or {}).get("hashes")))
+    return bare, len(ds.metas)

@@ -217,7 +217,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def verify_dataset(path: str, **remote: Any) -> tuple[int, list[str]]:
+def verify_dataset(path: str, *, notes: list[str] | None = None, **remote: Any) -> tuple[int, list[str]]:
     """Open ``path`` and decode every sample; run the format's own checks (checksums) where it has them.
 
     A URL is read whole shard by shard (``mode="shards"``): each shard's size and the hashes index.json
@@ -226,6 +226,8 @@ def verify_dataset(path: str, **remote: Any) -> tuple[int, list[str]]:
 
     Args:
         path: a dataset folder or file, a feature store, or a dataset URL.
+        notes: where given, what the checks could not cover is appended to it (shards no checksum covers,
+            in which a changed byte is found only if it no longer decodes).
         **remote: for a URL, ``cache_dir``, ``cache_limit``, ``storage_options`` (``mode`` must be
             ``"shards"``).
 
@@ -236,7 +238,7 @@ def verify_dataset(path: str, **remote: Any) -> tuple[int, list[str]]:
     from torchforge.features.inspect import is_store, verify_store
 
     if is_remote(path):
-        return _verify_remote(path, remote)
+        return _verify_remote(path, remote, notes)
     if is_store(path):  # a feature store: every version's manifest, digests and index
         return verify_store(path)
     problems: list[str] = []
@@ -245,6 +247,7 @@ def verify_dataset(path: str, **remote: Any) -> tuple[int, list[str]]:
         problems += [str(p) for p in format_checks(ds)]
     except TorchforgeError as e:
         return 0, [str(e)]
+    _note_unhashed(ds, notes)
     checked = 0
     for i in range(len(ds)):
         try:
@@ -255,7 +258,17 @@ def verify_dataset(path: str, **remote: Any) -> tuple[int, list[str]]:
     return checked, problems
 
 
-def _verify_remote(url: str, remote: dict[str, Any]) -> tuple[int, list[str]]:
+def _note_unhashed(ds: Any, notes: list[str] | None) -> None:
+    from torchforge._inspect import unhashed_shards
+
+    bare, n = unhashed_shards(ds)
+    if notes is not None and bare:
+        notes.append(f"{bare} of {n} shards carry no checksum ({ds.format_name}"
+                     f"{': its writer recorded no hashes' if ds.format_name == 'mds' else ' records none'}): "
+                     "a changed byte in them is found only where it no longer decodes")
+
+
+def _verify_remote(url: str, remote: dict[str, Any], notes: list[str] | None = None) -> tuple[int, list[str]]:
     from torchforge.datasets.base import open_dataset
 
     if remote.get("mode", "shards") != "shards":
@@ -264,6 +277,7 @@ def _verify_remote(url: str, remote: dict[str, Any]) -> tuple[int, list[str]]:
         ds = open_dataset(url, **{**remote, "mode": "shards"})
     except TorchforgeError as e:
         return 0, [str(e)]
+    _note_unhashed(ds, notes)
     problems: list[str] = []
     checked = first = 0
     for k in range(len(ds._first) - 1):
@@ -289,9 +303,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print("torchforge verify: a URL is verified whole shard by shard (its hashes): use --mode shards",
               file=sys.stderr)
         return 2
-    checked, problems = verify_dataset(args.path, **_remote_options(args))
+    notes: list[str] = []
+    checked, problems = verify_dataset(args.path, notes=notes, **_remote_options(args))
     for p in problems:
         print(f"DAMAGED {p}")
+    for note in notes:
+        print(f"NOTE {note}")
     print(f"{args.path}: {checked} samples decoded, {len(problems)} problems")
     return 1 if problems else 0
 

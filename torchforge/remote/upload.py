@@ -12,14 +12,17 @@ makes the dataset whole:
 
 Each object is written atomically by the store (obstore's ``put``); a failure stops the upload, waits
 for the PUTs in flight, removes every object this upload sent (best effort; the last phase's first, as a
-PUT whose reply was lost may have stored it) and raises, so the destination holds no index. All object
-I/O goes through the node's fetcher (:mod:`torchforge.remote.client`).
+PUT whose reply was lost may have stored it, and nothing else if that fails) and raises, so the
+destination holds no index, or the whole dataset. An overwrite deletes only the old dataset's files, in
+the order of :func:`_deletion_order`. All object I/O goes through the node's fetcher
+(:mod:`torchforge.remote.client`).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +37,9 @@ log = logging.getLogger(__name__)
 
 UPLOADS = 4  # files uploaded at once (each one multipart above obstore's part size)
 _INDEX = "index.json"
+#: The files an overwrite replaces (any other object at the destination is kept): MDS indexes and shards
+#: (``shard.00000.mds``, ``.mds.zstd``), JINX shards and sidecars, safetensors shards.
+_DATA_FILE = re.compile(r"/(index\.json|[^/]*\.mds(\.[a-z0-9]+)?|[^/]*\.jinx|[^/]*\.binx|[^/]*\.safetensors)$")
 
 
 def publish_phases(folder: str | os.PathLike) -> list[list[str]]:
@@ -89,13 +95,31 @@ def check_destination(url: str, *, overwrite: bool = False, single: bool = False
     return found
 
 
+def _deletion_order(old: list[str], url: str) -> list[list[str]]:
+    """The old dataset's objects among ``old`` (objects at ``url``), in the groups an overwrite deletes
+    them in, each group only once the one before it is gone: first every file a reader trusts on its own
+    (each ``index.json``, and the shard that ends each folder's JINX chain), then the other JINX shards,
+    last first, so a reader meets a dataset that is absent or refused as incomplete, never a shorter
+    one; then the rest of its files. Objects that are no dataset file (a README, notes, a sub-folder of
+    other files) are kept. A single object (``old == [url]``) is one group."""
+    if old == [url]:
+        return [old]
+    mine = [u for u in old if _DATA_FILE.search(u[len(url):])]
+    jinx = sorted((u for u in mine if u.endswith(".jinx")), reverse=True)
+    ends = {u.rsplit("/", 1)[0]: u for u in reversed(jinx)}  # each folder's last shard (its chain's end)
+    first = [u for u in mine if u.endswith(f"/{_INDEX}")] + sorted(ends.values())
+    groups = [first, [u for u in jinx if u not in first], [u for u in mine if u not in first and u not in jinx]]
+    return [g for g in groups if g]
+
+
 def upload(local: str | os.PathLike, url: str, *, overwrite: bool = False,
            cache_dir: str | os.PathLike | None = None, storage_options: Mapping[str, Any] | None = None,
            on_file: Callable[[str, int], None] | None = None) -> list[str]:
     """Upload the dataset folder (or single file) ``local`` to ``url`` in :func:`publish_phases` order.
 
-    With ``overwrite``, what the destination holds is deleted first (the old index before the rest), so
-    no reader ever mixes old and new objects.
+    With ``overwrite``, the old dataset's files are deleted first (the files a reader trusts before the
+    rest, see :func:`_deletion_order`), so no reader ever mixes old and new objects or reads the old
+    dataset short; other objects at the destination (a README, notes) are kept.
 
     Args:
         local: a finished dataset folder, or one file (uploaded to ``url`` itself).
@@ -120,11 +144,8 @@ def upload(local: str | os.PathLike, url: str, *, overwrite: bool = False,
     client = connect(cache_dir)
     old = check_destination(url, overwrite=overwrite, single=single, client=client,
                             storage_options=storage_options)
-    if old:
-        first = [u for u in old if u.endswith((f"/{_INDEX}", ".jinx"))]
-        for group in (first, [u for u in old if u not in first]):
-            if group:
-                client.delete(group, storage_options=storage_options)
+    for group in _deletion_order(old, url):  # a failure stops here: what is left still reads whole, or not at all
+        client.delete(group, storage_options=storage_options)
     if single:
         client.put(url, local, storage_options=storage_options)
         if on_file is not None:
@@ -146,7 +167,11 @@ def upload(local: str | os.PathLike, url: str, *, overwrite: bool = False,
                 if group:
                     client.delete(group, storage_options=storage_options)
             except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
-                log.warning("could not remove %d objects of the failed upload to %s: %s", len(group), url, e)
+                # the rest stays: without its data files, a file that makes the dataset whole (stored
+                # by a PUT whose reply was lost) would open as a dataset that is short or cannot be read
+                log.warning("could not remove %d objects of the failed upload to %s (%s); the others are left "
+                            "in place too", len(group), url, e)
+                break
         raise
     finally:
         for c in clients:

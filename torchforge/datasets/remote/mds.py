@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchforge.datasets.mds import MDSDataset
-from torchforge.datasets.remote.shards import _RemoteShards
+from torchforge.datasets.remote.shards import _RemoteShards, as_urls
 from torchforge.errors import CorruptShardError
 from torchforge.formats.mds import INDEX_BASENAME
 from torchforge.formats.mds_reader import SampleDecoder, ShardMeta
@@ -76,7 +76,8 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
             folder = os.path.join(client.cache_dir, "datasets", hashlib.sha256(
                 f"{index_url}\0{digest}".encode()).hexdigest()[:32])
             _place_bytes(raw, os.path.join(folder, INDEX_BASENAME))
-        super().__init__(folder, **kwargs)
+        with as_urls({os.path.join(folder, INDEX_BASENAME): index_url}):
+            super().__init__(folder, **kwargs)
         self._first = list(self._bounds)
         self._etags = self._pinned(client)
         self._warn_unversioned()
@@ -259,7 +260,14 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
 
     def _map(self, k: int, paths: list[str]) -> tuple[Any, list[Any]]:
         self._files[k] = paths[0]
-        shard = MDSDataset._shard(self, k)
+        m = self.metas[k]
+        url = self._stored(m)[0]
+        names = {paths[0]: url}  # errors name the URL, not the file in the node's cache
+        if m.zip_basename is not None:  # (offsets then count in the decompressed shard)
+            names[os.path.join(self._cache_folder(), f"{k:05}-{m.raw_basename}")] = f"{url} (decompressed)"
+        with as_urls(names):
+            shard = MDSDataset._shard(self, k)
+        shard.path = shard.decoder.path = names.get(shard.path, url)
         return shard, [shard._mm]
 
     def _drop(self, k: int | None) -> None:
