@@ -251,3 +251,13 @@ def test_convert_parquet_file_and_folder(tmp_path, capsys):
     one = str(tmp_path / "one")
     assert main(["convert", str(folder / "part-0.parquet"), one, "--to", "jinx", "-q"]) == 0
     assert len(open_dataset(one)) == 1200
+
+
+def test_python_dash_m_torchforge_runs_the_cli():
+    """``python -m torchforge`` is the ``torchforge`` command (before: no ``__main__``)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "torchforge", "--help"], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0 and "convert" in out.stdout
