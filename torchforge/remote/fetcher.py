@@ -200,8 +200,11 @@ def _validator(meta: Any) -> str | None:
     for a server that sends none (a plain web server may not), ``"lm:"`` and its Last-Modified time in
     whole seconds (the header's precision); else None (obstore gives the epoch where the header is missing,
     and then nothing tells two versions of the same size apart)."""
-    if meta.get("e_tag"):
-        return str(meta["e_tag"])
+    return str(meta["e_tag"]) if meta.get("e_tag") else _modified(meta)
+
+
+def _modified(meta: Any) -> str | None:
+    """``"lm:"`` and the Last-Modified time in whole seconds, or None where the server sent none."""
     modified = meta.get("last_modified")
     stamp = int(modified.timestamp()) if modified is not None else 0
     return f"lm:{stamp}" if stamp > 0 else None
@@ -225,7 +228,7 @@ def _check_pinned(meta: Any, pinned: str | None, url: str) -> None:
     only check where the pin is a Last-Modified time, and a second one where a server ignores If-Match."""
     if not pinned:
         return
-    now = _validator({"last_modified": meta.get("last_modified")}) if pinned.startswith("lm:") else meta.get("e_tag")
+    now = _modified(meta) if pinned.startswith("lm:") else meta.get("e_tag")
     if now and _bare(now) != _bare(pinned):
         what = "Last-Modified" if pinned.startswith("lm:") else "ETag"
         raise RemoteChangedError(f"the object changed since the dataset was opened (its {what} is {now}, "

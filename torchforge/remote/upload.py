@@ -106,9 +106,13 @@ def _deletion_order(old: list[str], url: str) -> list[list[str]]:
         return [old]
     mine = [u for u in old if _DATA_FILE.search(u[len(url):])]
     jinx = sorted((u for u in mine if u.endswith(".jinx")), reverse=True)
-    ends = {u.rsplit("/", 1)[0]: u for u in reversed(jinx)}  # each folder's last shard (its chain's end)
-    first = [u for u in mine if u.endswith(f"/{_INDEX}")] + sorted(ends.values())
-    groups = [first, [u for u in jinx if u not in first], [u for u in mine if u not in first and u not in jinx]]
+    ends: dict[str, str] = {}
+    for u in jinx:  # each folder's last shard (its chain's end): the first one met, last first
+        ends.setdefault(u.rsplit("/", 1)[0], u)
+    last = set(ends.values())
+    first = [u for u in mine if u.endswith(f"/{_INDEX}")] + sorted(last)
+    taken = last | set(first) | set(jinx)  # (sets: a dataset may have 100,000 shards)
+    groups = [first, [u for u in jinx if u not in last], [u for u in mine if u not in taken]]
     return [g for g in groups if g]
 
 

@@ -77,7 +77,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         self._footers: list[tuple[dict, int]] = []  # each kept shard's footer and where it starts
         nexts: dict[str, str] = {}  # shard -> the base name of the next shard its footer names
 
-        def opened(client: Any, name: str) -> tuple[dict, int, list[Any], _RangeShard | None]:
+        def opened(client: Any, name: str) -> tuple[dict, int, list[Any], str | None, _RangeShard | None]:
             """A shard's footer and, if the split wants it, its index (checked against num_samples now, in
             either mode: a footer lying about the count would size the dataset). Shards open ``READERS`` at
             a time: a footer and an index are a round trip each."""
@@ -89,15 +89,14 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             if side is not None:
                 objs.append((side[0], side[1], side[2], None))
             if split is not None and shard_split != split:
-                return footer, foot, objs, None
-            return footer, foot, objs, self._ranges_of(objs, footer, foot, client)  # (takes the index out)
+                return footer, foot, objs, shard_split, None
+            return footer, foot, objs, shard_split, self._ranges_of(objs, footer, foot, client)  # (takes the index)
 
-        for name, (footer, foot, objs, ranged) in zip(names, self._spread(opened, names, wide=True)):
+        for name, (footer, foot, objs, shard_split, ranged) in zip(names, self._spread(opened, names, wide=True)):
             if isinstance(footer.get("shard_next"), str) and footer["shard_next"]:
                 nexts[name] = footer["shard_next"].replace("\\", "/").rsplit("/", 1)[-1]
             if ranged is None:  # another split's shard
                 continue
-            shard_split = footer.get("split") if isinstance(footer.get("split"), str) else None
             kept.append((objs, footer["num_samples"], shard_split))
             self._footers.append((footer, foot))
             self._ranged.append(ranged)
