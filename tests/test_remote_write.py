@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
+import torch
 from expected import mds_rows, same
 
 pytest.importorskip("obstore")
@@ -650,3 +651,28 @@ def test_errors_of_a_remote_mds_shard_name_its_url(env, tmp_path):
     with pytest.raises(CorruptShardError, match="index.json says") as e:
         ds[ds.metas[0].samples]  # the first sample of shard.00001
     assert e.value.path == f"s3://{BUCKET}/{shard}"
+
+
+def test_a_safetensors_dataset_missing_its_last_shard_is_refused_not_read_short(env, tmp_path):
+    from torchforge.datasets.safetensors import SafetensorsShardWriter
+    from torchforge.errors import CorruptShardError
+
+    local = tmp_path / "st"
+    with SafetensorsShardWriter(local, samples_per_shard=7) as w:
+        for i in range(30):
+            w.write({"x": torch.arange(i % 5 + 1) + i, "y": i})
+    names = sorted(os.listdir(local))
+    assert len(names) == 5
+    for n in names[:-1]:  # what a reader lists while the last shard, uploaded last, is on its way
+        env.s3.upload_file(str(local / n), BUCKET, f"st/uploading/{n}")
+    for mode in ("shards", "ranges"):
+        with pytest.raises(CorruptShardError, match="the dataset is incomplete: none of its 4 shards") as e:
+            torchforge.open_dataset(f"s3://{BUCKET}/st/uploading", cache_dir=tmp_path / f"r-{mode}", mode=mode,
+                                    storage_options=env.opts)  # before: it opened with 28 of 30 samples
+        assert e.value.path == f"s3://{BUCKET}/st/uploading"
+    url = f"s3://{BUCKET}/st/whole"
+    convert(str(local), url, to="safetensors", cache_dir=env.cache, storage_options=env.opts, samples_per_shard=7)
+    assert env.proxy.puts()[-1] == f"st/whole/{names[-1]}"  # the marked shard is the last one stored
+    for mode in ("shards", "ranges"):
+        ds = torchforge.open_dataset(url, cache_dir=tmp_path / f"w-{mode}", mode=mode, storage_options=env.opts)
+        assert len(ds) == 30 and ds[29]["y"].item() == 29 and ds[29]["x"].tolist() == [29, 30, 31, 32, 33]

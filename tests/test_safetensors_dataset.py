@@ -199,3 +199,68 @@ def test_columns_a_dataset_cannot_index_by_row_are_refused_when_it_opens(tmp_pat
     with pytest.raises(CorruptShardError, match="column 'y' is I64, the first shard's is F32") as e:
         SafetensorsDataset(str(mixed))
     assert e.value.path.endswith("shard-00001.safetensors")
+
+
+def _write(folder, samples, **opts) -> list[str]:
+    with SafetensorsShardWriter(folder, **opts) as w:
+        for s in samples:
+            w.write(s)
+    return w.files
+
+
+@pytest.mark.parametrize("n", [20, 23])  # 20: the last write fills the last shard exactly
+def test_the_last_shard_says_how_many_shards_there_are(tmp_path, n):
+    from safetensors import safe_open
+
+    files = _write(tmp_path / "d", _samples(n), samples_per_shard=5)
+    assert len(files) == -(-n // 5)
+    metas = []
+    for f in files:
+        with safe_open(f, "pt") as h:  # the official reader sees the marker
+            metas.append(h.metadata())
+    assert [m.get("shards") for m in metas] == [None] * (len(files) - 1) + [str(len(files))]
+    assert all(m["version"] == "2" and m["format"] == "torchforge-columns" for m in metas)
+    _check(SafetensorsDataset(tmp_path / "d"), _samples(n))
+
+
+def test_a_folder_missing_shards_is_refused_not_read_short(tmp_path):
+    import shutil
+
+    files = _write(tmp_path / "d", _samples(23), samples_per_shard=5)  # 5 shards
+    cut = tmp_path / "cut"  # an upload or copy that stopped before the last shard (written last)
+    cut.mkdir()
+    for f in files[:-1]:
+        shutil.copy(f, cut)
+    with pytest.raises(CorruptShardError, match="the dataset is incomplete: none of its 4 shards is the last") as e:
+        SafetensorsDataset(cut)  # before: it opened with 20 of 23 samples
+    assert e.value.path == str(cut)
+    with pytest.raises(CorruptShardError, match="incomplete"):
+        open_dataset(str(cut))
+    hole = tmp_path / "hole"  # a shard lost in the middle
+    hole.mkdir()
+    for f in files[:2] + files[3:]:
+        shutil.copy(f, hole)
+    with pytest.raises(CorruptShardError, match="says the dataset has 5 shards, the folder holds 4") as e:
+        SafetensorsDataset(hole)
+    assert e.value.path == str(hole / Path(files[-1]).name)
+    other = _write(tmp_path / "other", _samples(3), samples_per_shard=5)  # another dataset's shard mixed in
+    shutil.copy(other[0], tmp_path / "d" / "shard-00099.safetensors")
+    with pytest.raises(CorruptShardError, match="2 shards say they are the last one"):
+        SafetensorsDataset(tmp_path / "d")
+    # one shard file on its own still reads, as before
+    assert len(SafetensorsDataset(files[1])) == 5
+
+
+def test_shards_without_the_marker_still_read(tmp_path):
+    """Version 1 shards (torchforge before the marker) and other tools' shards make no claim to check."""
+    old = tmp_path / "v1"
+    old.mkdir()
+    for k in range(3):
+        save_safetensors({"x": torch.arange(4) + 4 * k}, str(old / f"shard-{k:05d}.safetensors"),
+                         {"format": "torchforge-columns", "version": "1", "samples": "4"})
+    (old / "shard-00002.safetensors").unlink()  # nothing says it was there
+    assert SafetensorsDataset(old)[7]["x"].item() == 7 and len(SafetensorsDataset(old)) == 8
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    st.save_file({"x": torch.arange(3)}, str(plain / "a.safetensors"))
+    assert len(SafetensorsDataset(plain)) == 3

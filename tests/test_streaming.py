@@ -127,7 +127,15 @@ def test_patched_unsafe_types_gate_and_eviction(write_mds, tmp_path):
         got = list(ds)
         assert [g["p"] for g in got] == [r["p"] for r in rows]
         assert all(np.array_equal(g["x"], r["x"]) for g, r in zip(got, rows))
-    assert sum(os.path.getsize(os.path.join(local, f)) for f in os.listdir(local)) <= limit
+    # What the patched reader must not break: Streaming's account of its cache is the files on disk, and it
+    # evicted. The account may end above cache_limit by one shard: Streaming's prepare_shard checks the room
+    # under its lock, then releases it to download without reserving, so the look-ahead thread and a read
+    # that finds its shard evicted can both download into the same room (unpatched Streaming does the same;
+    # seen in CI at 116 bytes over).
+    files = {f: os.path.getsize(os.path.join(local, f)) for f in os.listdir(local)}
+    assert sum(files.values()) == ds.cache_usage, files
+    assert ds.cache_usage <= limit + biggest, files
+    assert sum(f.startswith("shard.") for f in files) < len(shards) / 2, files
 
 
 def test_patched_reader_notices_a_deleted_shard(write_mds, tmp_path):

@@ -7,7 +7,12 @@ A shard (``shard-00000.safetensors``, …) holds one tensor per column:
   0, non-decreasing, ending at ``total``); sample ``j`` is ``name[offsets[j]:offsets[j + 1]]``.
 
 Every shard is an ordinary safetensors file (the official library opens it); ``__metadata__`` records
-``{"format": "torchforge-columns", "version": "1", "samples": "<n>"}`` when torchforge wrote it.
+``{"format": "torchforge-columns", "version": "2", "samples": "<n>"}`` when torchforge wrote it, and the
+last shard also ``"shards": "<N>"``, the number of shards in the dataset: a folder whose shards say
+version 2 is read only when one of them says it is the last of exactly the shards there, so a copy or an
+upload that stopped part-way (the last shard is uploaded last) is refused instead of read short.
+Version 1 shards (torchforge before the marker) and shards written by other tools carry no such claim and
+are read as they are.
 
 >>> with SafetensorsShardWriter("data/tok") as w:  # doctest: +SKIP
 ...     w.write({"ids": torch.tensor([5, 7, 9]), "label": torch.tensor(1)})
@@ -41,7 +46,8 @@ __all__ = ["SafetensorsDataset", "SafetensorsShardWriter"]
 
 SUFFIX = ".safetensors"
 OFFSETS = ".offsets"
-_META = {"format": "torchforge-columns", "version": "1"}
+_META = {"format": "torchforge-columns", "version": "2"}
+_LAST = "shards"  # in the last shard's metadata: how many shards the dataset has
 
 
 def _shard_files(path: str) -> list[str]:
@@ -82,6 +88,35 @@ def _columns(infos: Mapping[str, TensorInfo], path: str) -> tuple[int, dict[str,
         n = rows
         cols[name] = ragged
     return n or 0, cols
+
+
+def check_whole(metas: list[Mapping[str, str] | None], files: list[str], folder: str) -> None:
+    """A folder of shards that torchforge wrote with the completion marker (version 2) holds the shard that
+    says it is the last, and exactly as many shards as that one says (``metas``: each file's
+    ``__metadata__``, in name order).
+
+    Raises:
+        CorruptShardError: the dataset is incomplete, or holds shards of two datasets (names the folder,
+            or the shard whose count disagrees).
+    """
+    ours = [m for m in metas if m and m.get("format") == _META["format"]]
+    marked = [(f, m[_LAST]) for f, m in zip(files, metas) if m and m.get("format") == _META["format"] and _LAST in m]
+    if not marked and not any(m.get("version", "1") != "1" for m in ours):
+        return  # written before the marker, or by another tool
+    if not marked:
+        raise CorruptShardError(f"the dataset is incomplete: none of its {len(files)} shards is the last one "
+                                "(torchforge writes it last and marks it); an upload or copy still in "
+                                "progress, one that failed, or a folder holding only some of a dataset's "
+                                f"shards (the last one here is {os.path.basename(files[-1])})", path=folder)
+    if len(marked) > 1:
+        raise CorruptShardError(f"{len(marked)} shards say they are the last one "
+                                f"({', '.join(os.path.basename(f) for f, _ in marked[:3])}): shards of "
+                                "more than one dataset in one folder", path=folder)
+    where, said = marked[0]
+    if said != str(len(files)):
+        raise CorruptShardError(f"the last shard says the dataset has {said} shards, the folder holds "
+                                f"{len(files)}: an incomplete copy or upload, or shards of more than one "
+                                "dataset", path=where)
 
 
 def check_offsets(off: np.ndarray, n: int, rows: int, column: str, path: str, at: int) -> np.ndarray:
@@ -132,9 +167,13 @@ class SafetensorsDataset(ShardDataset):
             raise FormatError(f"no *{SUFFIX} shards in the folder", path=self.path)
         self._cols: list[dict[str, bool]] = []
         self._ends: list[int] = []
+        metas = []
         for f in self._files:
             _, infos, meta = read_header(f)
             self._add_shard(infos, meta, columns, f)
+            metas.append(meta)
+        if os.path.isdir(self.path):  # (one shard file of a dataset may be read on its own)
+            check_whole(metas, self._files, self.path)
         self._open: dict[int, tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]] = {}
 
     def _add_shard(self, infos: Mapping[str, TensorInfo], meta: Mapping[str, str] | None,
@@ -241,11 +280,14 @@ class SafetensorsShardWriter:
         self._bytes = 0
         self._shards = 0
         self._schema: dict[str, torch.dtype] | None = None
+        self._full = False  # the rows held fill a shard: written by the next write(), or by close() as the last
         self.files: list[str] = []
         self.samples = 0
 
     def write(self, sample: Mapping[str, Any]) -> None:
         """Add one sample."""
+        if self._full:
+            self._flush()
         row = {}
         for k, v in sample.items():
             if not isinstance(k, str) or k.endswith(OFFSETS) or k == "__metadata__":
@@ -262,10 +304,11 @@ class SafetensorsShardWriter:
         self.samples += 1
         self._bytes += sum(t.numel() * t.element_size() for t in row.values())
         full = self.samples_per_shard is not None and len(self._rows) >= self.samples_per_shard
-        if self._bytes >= self.max_bytes or full:
-            self._flush()
+        self._full = self._bytes >= self.max_bytes or full
 
-    def _flush(self) -> None:
+    def _flush(self, last: bool = False) -> None:
+        """Write the rows held as the next shard (``last``: marked as the dataset's last one)."""
+        self._full = False
         if not self._rows:
             return
         tensors: dict[str, torch.Tensor] = {}
@@ -282,14 +325,17 @@ class SafetensorsShardWriter:
             tensors[c] = torch.cat(vals)
             tensors[c + OFFSETS] = torch.tensor([0] + [v.shape[0] for v in vals], dtype=torch.int64).cumsum(0)
         path = os.path.join(self.out, f"shard-{self._shards:05d}{SUFFIX}")
-        save_safetensors(tensors, path, {**_META, "samples": str(len(self._rows))})
+        meta = {**_META, "samples": str(len(self._rows))}
+        if last:
+            meta[_LAST] = str(self._shards + 1)
+        save_safetensors(tensors, path, meta)
         self.files.append(path)
         self._shards += 1
         self._rows, self._bytes = [], 0
 
     def close(self) -> None:
-        """Write the last shard."""
-        self._flush()
+        """Write the last shard (marked as the last: see the module docstring)."""
+        self._flush(last=True)
 
     def __enter__(self) -> Self:
         return self

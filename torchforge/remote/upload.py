@@ -8,7 +8,8 @@ makes the dataset whole:
 - JINX: the ``.binx`` sidecars (and any other file), then the ``shard-*.jinx`` files, then the last shard,
   whose footer ends the chain of shards (``shard_next`` is absent); a shard is never visible before its
   sidecar.
-- anything else (safetensors shards): every file but the last (in name order), then the last.
+- anything else (safetensors shards): every file but the last (in name order), then the last (torchforge
+  marks the last shard with the number of shards, and readers refuse a folder without it).
 
 Each object is written atomically by the store (obstore's ``put``); a failure stops the upload, waits
 for the PUTs in flight, removes every object this upload sent (best effort; the last phase's first, as a

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from torchforge.datasets.remote.shards import _RemoteShards, _Spans, as_urls
-from torchforge.datasets.safetensors import OFFSETS, SafetensorsDataset, check_offsets
+from torchforge.datasets.safetensors import OFFSETS, SafetensorsDataset, check_offsets, check_whole
 from torchforge.errors import FormatError
 from torchforge.formats.safetensors import MAX_HEADER_SIZE, SafetensorsFile, parse_header, storage_shape
 
@@ -41,6 +41,8 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
         RemoteNotFoundError: nothing at the URL.
         FormatError: no ``*.safetensors`` objects there.
         SafetensorsError, CorruptShardError: a shard's header is invalid (names the URL and offset).
+        CorruptShardError: the dataset is incomplete (torchforge marks its last shard: an upload that
+            stopped part-way is refused, not read short).
     """
 
     _FORMAT = "SafetensorsDataset"
@@ -58,6 +60,7 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
         self._cols, self._ends = [], []
         self._remote_objs = []
         self._heads: list[tuple[int, dict[str, Any]]] = []  # (data start, header entries) per shard
+        metas = []
         for name in names:
             u, size, etag = listed[name]
             (head,) = client.get_ranges(u, [(0, min(8, size))], etag=etag, storage_options=self.storage_options)
@@ -68,8 +71,10 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
                     head += rest
             n, infos, meta = parse_header(head, size, u)
             self._add_shard(infos, meta, columns, u)
+            metas.append(meta)
             self._remote_objs.append([(u, size, etag, None)])
             self._heads.append((8 + n, infos))
+        check_whole(metas, [listed[n][0] for n in names], self.url)
         pinned = json.dumps(sorted(listed[n] for n in names))
         self.version = hashlib.sha256(pinned.encode()).hexdigest()[:32]  # every shard's URL, size and ETag
         self._files = [""] * len(names)
