@@ -2282,3 +2282,35 @@ def test_range_reads_that_keep_failing_say_why_and_where(env):
     with pytest.raises(RemoteError, match=r"bytes \[1000, 2000\): .*error") as e:
         client.get_ranges(url, [(1000, 2000)], etag=etag, storage_options={**_via(proxy), "max_retries": 1})
     assert e.value.url == url and e.value.offset == 1000
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_beladys_rule_refetches_less_than_lru_on_the_same_order(env, tmp_path, workers):
+    """A shard shuffle (shards in a random order, each read whole before the next) over 24 shards with room
+    for 6, three epochs: an epoch's end leaves shards in the cache that the next epoch needs somewhere in its
+    order. LRU evicts them first (they are the oldest); Belady's rule keeps them while a shard already
+    passed can go (fetches name the whole rest of the order, and the shards just passed, which the other
+    workers may still read, last). Counted by the proxy: whole-shard GETs."""
+    import torchforge
+    from torchforge.sampler import GlobalSampler
+
+    _client, proxy, put = env
+    shards, slots = 24, 6
+    rows = [{"id": i, "blob": bytes([i % 251]) * 1500} for i in range(shards * 4)]
+    shard_bytes = _put_mds(put, tmp_path / "mds-belady", "ds/belady", rows, 5 * 1500 + 200)
+    assert len(shard_bytes) == shards
+    limit = slots * max(shard_bytes) + 4096
+    fetched = {}
+    for policy in ("belady", "lru"):
+        ds = torchforge.open_dataset(f"s3://{BUCKET}/ds/belady", cache_dir=tmp_path / f"cache-{policy}",
+                                     cache_limit=limit, cache_policy=policy, storage_options=_via(proxy))
+        sampler = GlobalSampler(ds, seed=3, bucket_size="shards")
+        loader = torchforge.DataLoader(ds, batch_size=4, sampler=sampler, num_workers=workers,
+                                       collate_fn=_collate_ids)
+        proxy.reset()
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            assert sorted(i for b in loader for i, _ in b) == list(range(len(rows)))
+        fetched[policy] = sum(proxy.gets_of(f"ds/belady/shard.{k:05d}.mds") for k in range(shards))
+    # here: Belady 65, LRU 70-72 (with the horizon of 8 shards and no shards behind named: 67-68)
+    assert fetched["belady"] < fetched["lru"], fetched

@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 
 MODES = ("shards", "ranges")
 POLICIES = ("belady", "lru")
-NEXT_USE = 8  # shards named as "needed next" in each fetch request (Belady's rule evicts the others first)
+NEXT_USE = 64  # shards named as "needed next" in each fetch request, at least (Belady's rule evicts the others first)
+MAX_NEXT_USE = 1024  # and at most (see _horizon)
+BEHIND = 8  # shards before a fetched one that its fetch names too (see _needed_after)
 RANGE_WASTE = 0.1  # bytes between merged ranges, as a share of the bytes a batch reads
 READERS = 8  # shards whose ranges a process reads at once (one fetcher connection each)
 BYPASS_SHARE = 0.1  # whole shards downloaded serving fewer samples than this share of one: read ranges instead
@@ -91,6 +93,7 @@ class _RemoteShards:
         self._held: tuple[int, OrderedDict[int, int]] | None = None  # (pid, this process's mapped shards)
         self._fetched: dict[int, list[str]] = {}  # shard -> its files in the cache, as last fetched
         self._plan: list[int] = []  # shards in the order of first use, as the last prefetch() was told
+        self._horizon_n: int | None = None  # see _horizon
         self._store_sizes: dict[str, int] = {}  # object URL -> the size the store gave where the index differs
         self._prefetcher: tuple[int, threading.Thread, threading.Event] | None = None  # (pid, thread, stop)
         self._bypass = False  # this process reads uncached shards by ranges (see _limited_batch)
@@ -486,16 +489,37 @@ class _RemoteShards:
         """The bytes of shard ``k``'s stored objects."""
         return sum(size for _, size, _, _ in self._objects(k))
 
+    def _horizon(self) -> int:
+        """How many shards a fetch names as needed next: twice as many as the cache holds, from ``NEXT_USE`` to
+        ``MAX_NEXT_USE``. A cached shard past the horizon counts as never needed again, and among those
+        the least recently used goes first, which is LRU: a shorter horizon than the cache evicted the
+        shards an epoch's end left in the cache before the dead ones, though the next epoch needs them."""
+        if self._horizon_n is None:
+            n = len(self._first) - 1
+            if self.cache_limit is None or n == 0:
+                self._horizon_n = NEXT_USE
+            else:
+                mean = max(1, sum(self._stored_bytes(k) for k in range(n)) // n)
+                self._horizon_n = int(min(MAX_NEXT_USE, max(NEXT_USE, 2 * self.cache_limit // mean)))
+        return self._horizon_n
+
     def _next_use(self, k: int) -> list[str]:
-        """The URLs needed after shard ``k``: from the planned order when there is one, else the next
-        shards in index order."""
+        """The URLs needed after shard ``k``: from the planned order when there is one (see
+        :meth:`_needed_after`), else the next shards in index order."""
         plan = self._plan
         if k in plan:
-            at = plan.index(k) + 1
-            after = plan[at:at + NEXT_USE]
-        else:
-            after = list(range(k + 1, min(k + 1 + NEXT_USE, len(self._first) - 1)))
+            return self._needed_after(plan, plan.index(k))
+        after = list(range(k + 1, min(k + 1 + self._horizon(), len(self._first) - 1)))
         return [url for j in after for url, *_ in self._objects(j)]
+
+    def _needed_after(self, order: list[int], at: int) -> list[str]:
+        """The URLs of the shards ``order`` needs after its shard at ``at``, in the order of their use (up
+        to the horizon), then those of the ``BEHIND`` shards before it: the other workers of a loader read
+        the same order a batch or two behind this one, so a shard this process has passed may still be
+        needed now. Named last, they go after every shard with a known next use but before the shards
+        named nowhere (passed long ago, or past the horizon)."""
+        wanted = order[at + 1:at + 1 + self._horizon()] + order[max(0, at - BEHIND):at][::-1]
+        return [url for j in wanted for url, *_ in self._objects(j)]
 
     # --- prefetching --------------------------------------------------------------------------------
     def shard_order(self, indices: Any) -> list[int]:
@@ -545,8 +569,7 @@ class _RemoteShards:
                 if stop.is_set() or ahead > budget:
                     return
                 try:
-                    self._fetch(client, k, [url for j in order[pos + 1:pos + 1 + NEXT_USE]
-                                            for url, *_ in self._objects(j)])
+                    self._fetch(client, k, self._needed_after(order, pos))
                 except Exception as e:  # noqa: BLE001 - the reader that needs this shard raises it
                     log.debug("prefetch of %s stopped: %s", self._url_of(k), e)
                     return
