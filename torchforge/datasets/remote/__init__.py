@@ -28,8 +28,9 @@ as a whole (``sample::`` compression is fine).
 Prefetching (``mode="shards"``): :meth:`RemoteMDSDataset.prefetch` takes the indices a process will
 read, in order, and fetches their shards in the order of first use on a background thread of that
 process, each request carrying the shards needed next (what Belady's eviction rule needs: the rest of
-the order up to twice what the cache holds, 64 shards at least, then the few shards just passed, which
-the loader's other workers may still be reading).
+the order up to twice what the cache holds, 64 shards at least, and the few shards just passed, which
+the loader's other workers may still be reading: named last by a reader, first by the prefetcher, which
+runs ahead of the readers).
 ``torchforge.DataLoader`` calls it at the start of every pass whose sampler can tell its future order
 (a :class:`~torchforge.sampler.GlobalSampler`, whose ``indices()`` is pure); with torch's loader, call it
 yourself. With a ``cache_limit`` it runs at most half the limit ahead.

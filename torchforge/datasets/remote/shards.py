@@ -512,13 +512,15 @@ class _RemoteShards:
         after = list(range(k + 1, min(k + 1 + self._horizon(), len(self._first) - 1)))
         return [url for j in after for url, *_ in self._objects(j)]
 
-    def _needed_after(self, order: list[int], at: int) -> list[str]:
+    def _needed_after(self, order: list[int], at: int, ahead: bool = False) -> list[str]:
         """The URLs of the shards ``order`` needs after its shard at ``at``, in the order of their use (up
-        to the horizon), then those of the ``BEHIND`` shards before it: the other workers of a loader read
-        the same order a batch or two behind this one, so a shard this process has passed may still be
-        needed now. Named last, they go after every shard with a known next use but before the shards
-        named nowhere (passed long ago, or past the horizon)."""
-        wanted = order[at + 1:at + 1 + self._horizon()] + order[max(0, at - BEHIND):at][::-1]
+        to the horizon), and those of the ``BEHIND`` shards before it: the loader's workers read the same
+        order a batch or two apart, so a shard this process has passed may still be read. For a reader's
+        fetch they are named last (after every shard with a known next use, before those named nowhere:
+        passed long ago, or past the horizon); for the prefetcher's (``ahead``), which runs ahead of the
+        readers, first: the readers are there now."""
+        after, behind = order[at + 1:at + 1 + self._horizon()], order[max(0, at - BEHIND):at][::-1]
+        wanted = behind + after if ahead else after + behind
         return [url for j in wanted for url, *_ in self._objects(j)]
 
     # --- prefetching --------------------------------------------------------------------------------
@@ -569,7 +571,7 @@ class _RemoteShards:
                 if stop.is_set() or ahead > budget:
                     return
                 try:
-                    self._fetch(client, k, self._needed_after(order, pos))
+                    self._fetch(client, k, self._needed_after(order, pos, ahead=True))
                 except Exception as e:  # noqa: BLE001 - the reader that needs this shard raises it
                     log.debug("prefetch of %s stopped: %s", self._url_of(k), e)
                     return
