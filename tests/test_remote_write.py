@@ -442,25 +442,57 @@ def test_an_interrupt_while_the_index_is_in_flight_leaves_nothing_behind(env, tm
 
     src = _write_mds(tmp_path / "src", n=60)
     url = f"s3://{BUCKET}/lost/interrupt"
-    env.proxy.lose = lambda method, path: (2.0, None) if method == "PUT" and "index.json" in path else (0.0, None)
-    timer = threading.Timer(0.0, lambda: None)
+    sent = threading.Event()
 
-    def on_file(u, size):  # once a shard is in, Ctrl-C (a real SIGINT) while the index is on its way
-        nonlocal timer
-        if u.endswith(".mds") and not timer.is_alive() and not timer.finished.is_set():
-            timer = threading.Timer(1.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
-            timer.start()
+    def lose(method, path):  # the proxy, as the index's PUT reaches it: Ctrl-C (a real SIGINT), then store it late
+        if method == "PUT" and "index.json" in path and not sent.is_set():
+            sent.set()
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            return 2.0, None
+        return 0.0, None
 
     from torchforge.remote.upload import upload
 
     local = tmp_path / "mds"
     convert(src, str(local), to="mds", size_limit=16384)
+    env.proxy.lose = lose
     with pytest.raises(KeyboardInterrupt):
-        upload(local, url, cache_dir=env.cache, storage_options=env.opts, on_file=on_file)
-    timer.join()
+        upload(local, url, cache_dir=env.cache, storage_options=env.opts)
+    assert sent.is_set()
     time.sleep(2.5)  # a PUT left in flight (the fetcher finishes what it was handed) has landed by now
     env.proxy.lose = None
     assert env.keys("lost/interrupt") == []  # before: the index landed after the shards were removed
+
+
+def test_an_interrupt_while_a_phase_starts_its_threads_still_waits_for_their_puts(env, tmp_path, monkeypatch):
+    """Ctrl-C landing in ThreadPoolExecutor.submit after the thread started, before the pool recorded it:
+    the pool's shutdown does not wait for that thread, which may already be sending the index; the cleanup
+    must wait for it all the same (seen under load in CI-like runs: the index alone was left behind)."""
+    src = _write_mds(tmp_path / "src", n=60)
+    url = f"s3://{BUCKET}/lost/starting"
+    env.proxy.lose = lambda method, path: (1.0, None) if method == "PUT" and "index.json" in path else (0.0, None)
+    start, pools = threading.Thread.start, []
+
+    def interrupted_start(self):
+        start(self)
+        if self.name.startswith("torchforge-upload") and self.name.endswith("_0"):
+            pools.append(self.name)
+            if len(pools) == 2:  # the second phase's first thread: the index's
+                time.sleep(0.1)  # (it has taken the index and sent it)
+                raise KeyboardInterrupt
+
+    from torchforge.remote.upload import upload
+
+    local = tmp_path / "mds"
+    convert(src, str(local), to="mds", size_limit=16384)
+    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        upload(local, url, cache_dir=env.cache, storage_options=env.opts)
+    monkeypatch.undo()
+    assert len(pools) == 2
+    time.sleep(1.5)
+    env.proxy.lose = None
+    assert env.keys("lost/starting") == []  # before: the index, stored after the cleanup
 
 
 def test_a_refused_listing_is_an_access_error_at_once_not_retried(env, tmp_path):

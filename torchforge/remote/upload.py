@@ -190,27 +190,34 @@ def _upload_phase(clients: list[FetcherClient], local: str, url: str, phase: lis
     """Upload ``phase``'s files at once (one connection each, ``len(clients)`` at a time); the first
     failure stops the files not yet started and is raised once the others have ended. Whatever ends it
     (a KeyboardInterrupt too), it returns or raises only after every PUT it sent has been answered: the
-    fetcher process finishes a PUT it was handed, and a cleanup that ran before would miss that object."""
+    fetcher process finishes a PUT it was handed, and a cleanup that ran before would miss that object.
+    That wait counts the PUTs in flight itself: a Ctrl-C that lands while the pool starts a thread leaves
+    that thread unknown to the pool's shutdown, yet it may already be sending a file."""
     todo = iter(phase)
-    lock = threading.Lock()
+    cond = threading.Condition()
     failed = threading.Event()
+    flying = [0]  # PUTs sent and not answered yet (a file is taken and counted under ``cond``)
 
     def work(client: FetcherClient) -> None:
-        while not failed.is_set():
-            with lock:
-                rel = next(todo, None)
-            if rel is None:
-                return
-            dst = f"{url}/{rel}"
-            path = os.path.join(local, *rel.split("/"))
-            with lock:
+        while True:
+            with cond:
+                rel = None if failed.is_set() else next(todo, None)
+                if rel is None:
+                    return
+                dst = f"{url}/{rel}"
                 started.append(dst)
+                flying[0] += 1
+            path = os.path.join(local, *rel.split("/"))
             try:
                 info = client.put(dst, path, storage_options=storage_options)
             except BaseException:
                 failed.set()
                 raise
-            with lock:
+            finally:
+                with cond:
+                    flying[0] -= 1
+                    cond.notify_all()
+            with cond:
                 done.append(dst)
             if on_file is not None:
                 on_file(dst, info.size)
@@ -221,8 +228,10 @@ def _upload_phase(clients: list[FetcherClient], local: str, url: str, phase: lis
         futures = [pool.submit(work, c) for c in clients[:n]]
         concurrent.futures.wait(futures)
     finally:
-        failed.set()  # (after an interrupt: start nothing more)
-        pool.shutdown(wait=True)  # every PUT sent is answered before anyone cleans up
+        with cond:
+            failed.set()  # (after an interrupt: start nothing more)
+            cond.wait_for(lambda: flying[0] == 0)  # every PUT sent is answered before anyone cleans up
+        pool.shutdown(wait=True)
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
         raise errors[0]
