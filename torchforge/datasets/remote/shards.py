@@ -93,6 +93,7 @@ class _RemoteShards:
         self._held: tuple[int, OrderedDict[int, int]] | None = None  # (pid, this process's mapped shards)
         self._fetched: dict[int, list[str]] = {}  # shard -> its files in the cache, as last fetched
         self._plan: list[int] = []  # shards in the order of first use, as the last prefetch() was told
+        self._plan_at: dict[int, int] = {}  # shard -> its place in _plan (a fetch looks its shard up there)
         self._horizon_n: int | None = None  # see _horizon
         self._store_sizes: dict[str, int] = {}  # object URL -> the size the store gave where the index differs
         self._prefetcher: tuple[int, threading.Thread, threading.Event] | None = None  # (pid, thread, stop)
@@ -506,9 +507,9 @@ class _RemoteShards:
     def _next_use(self, k: int) -> list[str]:
         """The URLs needed after shard ``k``: from the planned order when there is one (see
         :meth:`_needed_after`), else the next shards in index order."""
-        plan = self._plan
-        if k in plan:
-            return self._needed_after(plan, plan.index(k))
+        at = self._plan_at.get(k)
+        if at is not None:
+            return self._needed_after(self._plan, at)
         after = list(range(k + 1, min(k + 1 + self._horizon(), len(self._first) - 1)))
         return [url for j in after for url, *_ in self._objects(j)]
 
@@ -544,6 +545,7 @@ class _RemoteShards:
             return
         order = self.shard_order(indices)
         self._plan = order
+        self._plan_at = {j: i for i, j in enumerate(order)}
         if not order:
             return
         stop = threading.Event()
