@@ -99,9 +99,9 @@ def check_whole(metas: list[Mapping[str, str] | None], files: list[str], folder:
         CorruptShardError: the dataset is incomplete, or holds shards of two datasets (names the folder,
             or the shard whose count disagrees).
     """
-    ours = [m for m in metas if m and m.get("format") == _META["format"]]
-    marked = [(f, m[_LAST]) for f, m in zip(files, metas) if m and m.get("format") == _META["format"] and _LAST in m]
-    if not marked and not any(m.get("version", "1") != "1" for m in ours):
+    ours = [(f, m) for f, m in zip(files, metas) if m and m.get("format") == _META["format"]]
+    marked = [(f, m[_LAST]) for f, m in ours if _LAST in m]
+    if not marked and not any(m.get("version", "1") != "1" for _, m in ours):
         return  # written before the marker, or by another tool
     if not marked:
         raise CorruptShardError(f"the dataset is incomplete: none of its {len(files)} shards is the last one "

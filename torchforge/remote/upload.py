@@ -196,9 +196,10 @@ def _upload_phase(clients: list[FetcherClient], local: str, url: str, phase: lis
     todo = iter(phase)
     cond = threading.Condition()
     failed = threading.Event()
-    flying = [0]  # PUTs sent and not answered yet (a file is taken and counted under ``cond``)
+    flying = 0  # PUTs sent and not answered yet (a file is taken and counted under ``cond``)
 
     def work(client: FetcherClient) -> None:
+        nonlocal flying
         while True:
             with cond:
                 rel = None if failed.is_set() else next(todo, None)
@@ -206,7 +207,7 @@ def _upload_phase(clients: list[FetcherClient], local: str, url: str, phase: lis
                     return
                 dst = f"{url}/{rel}"
                 started.append(dst)
-                flying[0] += 1
+                flying += 1
             path = os.path.join(local, *rel.split("/"))
             try:
                 info = client.put(dst, path, storage_options=storage_options)
@@ -215,7 +216,7 @@ def _upload_phase(clients: list[FetcherClient], local: str, url: str, phase: lis
                 raise
             finally:
                 with cond:
-                    flying[0] -= 1
+                    flying -= 1
                     cond.notify_all()
             with cond:
                 done.append(dst)
@@ -230,7 +231,7 @@ def _upload_phase(clients: list[FetcherClient], local: str, url: str, phase: lis
     finally:
         with cond:
             failed.set()  # (after an interrupt: start nothing more)
-            cond.wait_for(lambda: flying[0] == 0)  # every PUT sent is answered before anyone cleans up
+            cond.wait_for(lambda: flying == 0)  # every PUT sent is answered before anyone cleans up
         pool.shutdown(wait=True)
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
