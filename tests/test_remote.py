@@ -1378,6 +1378,53 @@ def test_a_jinx_dataset_at_an_s3_url_reads_mldataforges_shards_fetching_each_onc
     assert isinstance(again, RemoteJinxDataset) and same(expected[-1], again[-1]) == ""
 
 
+@pytest.mark.parametrize("mode", ["shards", "ranges"])
+def test_a_url_naming_one_shard_object_opens_that_shard_alone_as_a_local_file_does(env, tmp_path, mode):
+    """``open_dataset("s3://b/x/shard-00003.jinx")`` is that one shard (with its .binx), as the local file
+    is, even though its footer names a next shard; so is one .safetensors object of a marked dataset.
+    Before: RemoteNotFoundError, "no index.json (MDS) and no shards below the folder"."""
+    import torch
+    from expected import same
+
+    import torchforge
+    from torchforge.datasets.remote import RemoteJinxDataset, RemoteSafetensorsDataset
+    from torchforge.datasets.safetensors import SafetensorsShardWriter
+
+    _client, proxy, put = env
+    opts = {"cache_dir": tmp_path / "cache", "mode": mode, "storage_options": _via(proxy)}
+    for fixture, name in [("jinx-a85-zst-inline", "shard-00000.jinx"), ("jinx-b64-zst-binx", "shard-00000.jinx"),
+                          ("jinx-b64-multishard", "shard-00003.jinx")]:
+        local, _m = _interop(fixture)
+        _upload_folder(put, local, f"one/{mode}/{fixture}")
+        want = torchforge.open_dataset(os.path.join(local, name))
+        assert 0 < len(want)
+        proxy.reset()
+        url = f"s3://{BUCKET}/one/{mode}/{fixture}/{name}"
+        ds = torchforge.open_dataset(url, **opts)
+        assert isinstance(ds, RemoteJinxDataset) and len(ds) == len(want), fixture
+        # HEAD requests found the object and its sidecar: no listing of the folder
+        assert proxy.heads and all("?" not in path for path, _ in proxy.gets), proxy.gets
+        assert [same(w.materialize(), g) for w, g in zip(want, ds)] == [""] * len(want), fixture
+        again = pickle.loads(pickle.dumps(ds))  # (spawned workers open it again)
+        assert same(want[len(want) - 1].materialize(), again[len(want) - 1]) == ""
+        # no other shard of the folder was read
+        assert {path.rsplit("/", 1)[1] for path, _ in proxy.gets} <= {name, name[:-5] + ".binx"}, proxy.gets
+    st = tmp_path / "st"
+    with SafetensorsShardWriter(str(st), samples_per_shard=5) as w:
+        for i in range(12):
+            w.write({"x": torch.full((3,), float(i)), "ids": torch.arange(i % 4 + 1)})
+    _upload_folder(put, str(st), f"one/{mode}/st")
+    ds = torchforge.open_dataset(f"s3://{BUCKET}/one/{mode}/st/shard-00001.safetensors", **opts)
+    assert isinstance(ds, RemoteSafetensorsDataset) and len(ds) == 5  # the middle shard, not marked last
+    assert [float(ds[i]["x"][0]) for i in range(5)] == [5.0, 6.0, 7.0, 8.0, 9.0]
+    assert torch.equal(ds[4]["ids"], torch.arange(9 % 4 + 1))
+    # an object that is not there is still named; a folder is still a folder
+    with pytest.raises(RemoteNotFoundError) as e:
+        torchforge.open_dataset(f"s3://{BUCKET}/one/{mode}/st/shard-00009.safetensors", **opts)
+    assert "shard-00009.safetensors" in str(e.value)
+    assert len(torchforge.open_dataset(f"s3://{BUCKET}/one/{mode}/st", **opts)) == 12
+
+
 def test_a_jinx_shard_overwritten_or_lying_at_its_url_is_a_typed_error_naming_it(env, tmp_path):
     import torchforge
     from torchforge.errors import CorruptShardError
@@ -1512,6 +1559,10 @@ def test_a_jinx_dataset_at_an_http_url_is_found_by_probing_and_read_with_ranges(
             assert same(exp, ds[i]) == "", i
         whole = [path for path, ranged in server.gets if not ranged]
         assert sorted(whole) == sorted(f"/{n}" for n in os.listdir(local))  # each shard and sidecar once
+        one = torchforge.open_dataset(f"{url}/shard-00003.jinx", cache_dir=tmp_path / "cache",
+                                      storage_options={"allow_http": True})  # one shard alone, as a local file
+        want = torchforge.open_dataset(os.path.join(local, "shard-00003.jinx"))
+        assert [same(w.materialize(), g) for w, g in zip(want, one)] == [""] * len(want) and len(one) == len(want)
     finally:
         server.shutdown()
 

@@ -70,7 +70,8 @@ __all__ = ["RemoteJinxDataset", "RemoteMDSDataset", "RemoteSafetensorsDataset", 
 def open_remote(url: str, **kwargs: Any) -> Any:
     """The dataset at ``url``: MDS when the folder (or its ``split`` sub-folder) holds index.json, else
     JINX (``shard-*.jinx`` objects, ``split`` selecting by footer as for local JINX), else safetensors
-    column shards (``*.safetensors``)."""
+    column shards (``*.safetensors``). A URL naming one ``.jinx`` or ``.safetensors`` object opens that
+    shard alone, as a local file does."""
     split = kwargs.get("split")
     folder = url.rstrip("/") + (f"/{split.strip('/')}" if split else "")
     client = connect(None if kwargs.get("cache_dir") is None else os.path.abspath(os.fspath(kwargs["cache_dir"])))

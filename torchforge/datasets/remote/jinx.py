@@ -41,7 +41,8 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
     whichever fields it is asked for).
 
     Args:
-        url: the folder's URL.
+        url: the folder's URL, or one ``.jinx`` object's: that shard alone (its ``.binx`` beside it), as a
+            local ``.jinx`` file opens, whether or not its footer names a next shard.
         lazy: as :class:`~torchforge.datasets.jinx.JinxDataset`; None (the default): lazy with no
             ``cache_limit``, eager with one.
         split, on_error: as :class:`~torchforge.datasets.jinx.JinxDataset`.
@@ -68,8 +69,10 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         self.skipped = 0
         self._room = False
         client = self._client()
-        listed = self._listing(client, (".jinx", ".binx"))
-        names = sorted(n for n in listed if n.startswith("shard-") and n.endswith(".jinx"))
+        one = self._one_object(client, (".jinx", ".binx"))  # a URL naming one .jinx object: that shard alone
+        listed = self._listing(client, (".jinx", ".binx")) if one is None else one
+        names = sorted(n for n in listed if n.startswith("shard-") and n.endswith(".jinx")) if one is None \
+            else list(one)[:1]
         if not names:
             raise FormatError("folder holds no shard-*.jinx objects", path=self.url)
         kept = []
@@ -100,7 +103,8 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             kept.append((objs, footer["num_samples"], shard_split))
             self._footers.append((footer, foot))
             self._ranged.append(ranged)
-        _check_chain(self.url, names, nexts)
+        if one is None:  # (a shard opened on its own may name a next one, as a local .jinx file may)
+            _check_chain(self.url, names, nexts)
         self.shard_splits = [shard_split for _, _, shard_split in kept]  # from the footers
         self._remote_objs = [objs for objs, _, _ in kept]
         self._counts = [count for _, count, _ in kept]

@@ -32,7 +32,8 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
     shard it touches, into tensors of their own.
 
     Args:
-        url: the folder's URL.
+        url: the folder's URL, or one ``.safetensors`` object's: that shard alone, as a local file opens
+            (no check that the dataset is whole).
         columns: as :class:`~torchforge.datasets.safetensors.SafetensorsDataset`.
         cache_dir, cache_limit, cache_policy, storage_options: as :class:`RemoteMDSDataset`.
         mode: ``"shards"`` or ``"ranges"``.
@@ -52,7 +53,8 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
                  storage_options: Mapping[str, Any] | None = None) -> None:
         self._remote_setup(url, None, cache_dir, cache_limit, mode, cache_policy, storage_options)
         client = self._client()
-        listed = self._listing(client, (".safetensors",))
+        one = self._one_object(client, (".safetensors",))  # a URL naming one shard object: that shard alone
+        listed = self._listing(client, (".safetensors",)) if one is None else one
         names = sorted(n for n in listed if n.endswith(".safetensors") and not n.startswith("."))
         if not names:
             raise FormatError("folder holds no *.safetensors objects", path=self.url)
@@ -74,7 +76,8 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
             metas.append(meta)
             self._remote_objs.append([(u, size, etag, None)])
             self._heads.append((8 + n, infos))
-        check_whole(metas, [listed[n][0] for n in names], self.url)
+        if one is None:  # (one shard of a dataset may be read on its own, as a local file)
+            check_whole(metas, [listed[n][0] for n in names], self.url)
         pinned = json.dumps(sorted(listed[n] for n in names))
         self.version = hashlib.sha256(pinned.encode()).hexdigest()[:32]  # every shard's URL, size and ETag
         self._files = [""] * len(names)

@@ -164,6 +164,30 @@ class _RemoteShards:
             raise RemoteNotFoundError("no objects below this URL", url=self.url)
         return out
 
+    def _one_object(self, client: Any, suffixes: tuple[str, ...]) -> dict[str, tuple[str, int, str | None]] | None:
+        """A URL naming one shard object (ending in ``suffixes[0]``), opened as a local dataset opens one file:
+        that object and its companions beside it (the other suffixes, e.g. a JINX shard's ``.binx``), found by
+        HEAD requests, with no listing; the object first. None where the URL does not end so, or where no such
+        object exists (a folder whose name ends so is listed as a folder).
+
+        Raises:
+            RemoteAccessError: access denied.
+        """
+        if not self.url.endswith(suffixes[0]):
+            return None
+        folder, name = self.url.rsplit("/", 1)
+        stem = name[:-len(suffixes[0])]
+        out: dict[str, tuple[str, int, str | None]] = {}
+        for n in (name, *(stem + s for s in suffixes[1:])):
+            try:
+                info = client.head(f"{folder}/{n}", storage_options=self.storage_options)
+            except RemoteNotFoundError:
+                if n == name:
+                    return None
+                continue
+            out[n] = (f"{folder}/{n}", info.size, info.etag)
+        return out
+
     def _probe(self, client: Any, suffixes: tuple[str, ...]) -> dict[str, tuple[str, int, str | None]]:
         """The shards found by HEAD requests, ``READERS`` shards' names at a time."""
         out: dict[str, tuple[str, int, str | None]] = {}
