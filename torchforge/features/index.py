@@ -182,16 +182,16 @@ class IdIndex:
             return np.zeros(len(q), np.int64), np.zeros(len(q), bool)
         rounds = False  # (the searches below trust nothing but the sorted ids; the rounds trust the metadata)
         if len(q) <= _FEW:  # a few ids: one binary search each costs less than the rounds' numpy calls
-            pos = np.searchsorted(self.ids, q)
+            pos = self.ids.searchsorted(q)
         elif self.steps > _MAX_ROUNDS:
             order = np.argsort(q, kind="stable")
             pos = np.empty(len(q), np.int64)
-            pos[order] = np.searchsorted(self.ids, q[order])  # sorted keys: each search starts at the last
+            pos[order] = self.ids.searchsorted(q[order])  # sorted keys: each search starts at the last
         else:
             nb = len(self.dir) - 1
             b = (q.view(np.uint64) - np.uint64(self.base % 2**64)) >> np.uint64(self.shift)
             np.minimum(b, np.uint64(nb - 1), out=b)  # outside the range: any bucket, the id check says no
-            lo = np.take(self.dir, b.view(np.int64), mode="clip")
+            lo = self.dir.take(b.view(np.int64), mode="clip")
             np.clip(lo, 0, n, out=lo)  # a lying directory narrows wrongly but never out of bounds
             # count the ids of the bucket below q, one bit per round from the highest: ids past the bucket
             # are above q (sorted), so the count never runs past it and needs no upper bound
@@ -199,12 +199,12 @@ class IdIndex:
             count = np.zeros(len(q), np.int64)
             for bit in range(self.steps - 1, -1, -1):
                 t = count + (1 << bit)
-                below = np.take(self.ids, first + t, mode="clip") < q
+                below = self.ids.take(first + t, mode="clip") < q
                 count = np.where(below, t, count)
             pos = lo + count
             rounds = True
         np.minimum(pos, n - 1, out=pos)
-        found = np.take(self.ids, pos, mode="clip") == q
+        found = self.ids.take(pos, mode="clip") == q
         if rounds and not found.all():
             self._check_misses(q[~found])
         return pos, found
@@ -213,8 +213,8 @@ class IdIndex:
         """The rounds trust the directory and ``steps`` of the file: an id they miss is searched again
         in the sorted ids alone, so a damaged directory or ``steps`` is an error, never a present id
         reported missing (or, with ``missing=``, silently given the default row)."""
-        pos = np.minimum(np.searchsorted(self.ids, miss), self.n - 1)
-        there = np.take(self.ids, pos) == miss
+        pos = np.minimum(self.ids.searchsorted(miss), self.n - 1)
+        there = self.ids.take(pos) == miss
         if there.any():
             raise CorruptShardError(f"the bucket directory or steps={self.steps} in the index's metadata miss "
                                     f"id {int(miss[there][0])}, which the index holds", path=self.path)

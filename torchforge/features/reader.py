@@ -5,7 +5,7 @@ A :class:`Snapshot` maps the version's index at once and each shard the first ti
 the tensors against the schema). :meth:`Snapshot.gather` finds the batch's positions in the index (see
 :mod:`torchforge.features.index`), checks each location it will read (shard number and row inside the
 shard: a lying index is a CorruptShardError, never a read outside a file) and copies rows into output
-tensors made by :func:`torchforge.loader.collate.empty`, which in a torchforge DataLoader worker are the
+tensors made over :func:`torchforge.loader.collate.empty_bytes`, which in a torchforge DataLoader worker are the
 batch's shared-memory slab. The shard's own ``id`` of every row read is gathered too and must be the id
 asked for, so a manifest or index that points at the wrong rows is a CorruptShardError, never wrong data.
 
@@ -195,16 +195,19 @@ class Snapshot:
         out, items = {}, {}
         for c in columns:
             col = self.schema[c]
-            t = out[c] = collate.empty((n, *col.shape), col.dtype)
-            if col.row_bytes and n:  # the output as one item per row (see _items)
-                items[c] = t.view(-1).view(torch.uint8).numpy().view(_item(col.row_bytes))
+            if not (col.row_bytes and n):
+                out[c] = torch.empty((n, *col.shape), dtype=col.dtype)
+                continue
+            buf = collate.empty_bytes(n * col.row_bytes)
+            out[c] = torch.from_numpy(buf).view(col.dtype).view((n, *col.shape))
+            items[c] = buf.view(_item(col.row_bytes))  # the output as one item per row (see _items)
         if self.index is not None:
             pos, found = self.index.lookup(q)
         else:
             pos, found = np.zeros(n, np.int64), np.zeros(n, bool)
-        hit = None if found.all() else np.flatnonzero(found)
+        hit = None if found.all() else found.nonzero()[0]
         if hit is not None:
-            miss = np.flatnonzero(~found)
+            miss = (~found).nonzero()[0]
             if missing is None:
                 raise MissingIdsError(f"{len(miss)} of {n} ids are not in version {self.version}: "
                                       f"{q[miss[:_SHOWN]].tolist()}{' ...' if len(miss) > _SHOWN else ''}; "
@@ -217,7 +220,7 @@ class Snapshot:
             got = np.empty(n, np.uint64)  # the ids the rows read hold: each must be the id asked for
             self._copy(pos, hit, {**items, "id": got})
             asked = q.view(np.uint64)
-            wrong = np.flatnonzero(got != asked) if hit is None else hit[got[hit] != asked[hit]]
+            wrong = (got != asked).nonzero()[0] if hit is None else hit[got[hit] != asked[hit]]
             if len(wrong):
                 self._wrong_row(q, got, pos if hit is None else None, hit, int(wrong[0]))
         return out
@@ -231,8 +234,8 @@ class Snapshot:
                                 f"{self.index.path} lies", path=self.shard(k).path)
 
     def _copy(self, pos: np.ndarray, hit: np.ndarray | None, items: dict[str, np.ndarray]) -> None:
-        sh = np.take(self.index.shard, pos, mode="clip")  # pos < len(index), from lookup
-        rw = np.take(self.index.row, pos, mode="clip")
+        sh = self.index.shard.take(pos, mode="clip")  # pos < len(index), from lookup
+        rw = self.index.row.take(pos, mode="clip")
         count = len(self._shards)
         if int(sh.view(np.uint32).max()) >= count:  # (one reduction: a negative number is a huge unsigned one)
             bad = int(sh[(sh < 0) | (sh >= count)][0])
@@ -242,27 +245,27 @@ class Snapshot:
             cols = self.shard(0).cols
             for c, dst in items.items():
                 if hit is None:
-                    np.take(cols[c], rw, out=dst, mode="clip")
+                    cols[c].take(rw, out=dst, mode="clip")
                 else:
-                    dst[hit] = np.take(cols[c], rw, mode="clip")
+                    dst[hit] = cols[c].take(rw, mode="clip")
             return
         # a shard not opened yet counts 0 rows here, so every row of it fails this check and opens it
-        if (rw.view(np.uint64) >= np.take(self._rows_of, sh).view(np.uint64)).any():
+        if (rw.view(np.uint64) >= self._rows_of.take(sh).view(np.uint64)).any():
             for k in np.unique(sh).tolist():
                 self.shard(k)
                 self._check_rows(k, rw[sh == k])
         grouped = {}
         for c, dst in items.items():
-            at = np.take(self._first[c], sh)
+            at = self._first[c].take(sh)
             if int(at.min()) < 0:  # not aligned in some shard: see the module's docstring
                 grouped[c] = dst
                 continue
             at += rw
             col = self._region.column(dst.itemsize)
             if hit is None:
-                np.take(col, at, out=dst, mode="clip")
+                col.take(at, out=dst, mode="clip")
             else:
-                dst[hit] = np.take(col, at, mode="clip")
+                dst[hit] = col.take(at, mode="clip")
         if grouped:
             self._copy_grouped(sh, rw, hit, grouped)
 
@@ -272,16 +275,16 @@ class Snapshot:
         order = np.argsort(sh.astype(np.int16) if len(self._shards) <= 2**15 else sh, kind="stable")
         sh_sorted = sh[order]
         rw_sorted = rw[order]
-        cuts = [0, *(np.flatnonzero(sh_sorted[1:] != sh_sorted[:-1]) + 1).tolist(), len(order)]
+        cuts = [0, *((sh_sorted[1:] != sh_sorted[:-1]).nonzero()[0] + 1).tolist(), len(order)]
         groups = [(self.shard(int(sh_sorted[a])).cols, a, b) for a, b in itertools.pairwise(cuts)]
         inv = np.empty(len(order), np.int64)
         inv[order] = np.arange(len(order))
         for c, dst in items.items():
             tmp = np.empty(len(order), dst.dtype)
             for cols, a, b in groups:
-                np.take(cols[c], rw_sorted[a:b], out=tmp[a:b], mode="clip")
+                cols[c].take(rw_sorted[a:b], out=tmp[a:b], mode="clip")
             if hit is None:
-                np.take(tmp, inv, out=dst, mode="clip")
+                tmp.take(inv, out=dst, mode="clip")
             else:
                 dst[hit] = tmp[inv]
 

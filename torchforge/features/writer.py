@@ -73,6 +73,9 @@ SHARD_FORMAT = "torchforge-feature-shard"
 
 def as_ids(ids: Any) -> np.ndarray:
     """A 1-D int64 numpy array of ids from a tensor (any device), array, sequence or int."""
+    if type(ids) is torch.Tensor and ids.dtype == torch.int64 and ids.dim() == 1 and not ids.requires_grad \
+            and ids.device.type == "cpu" and ids.is_contiguous():  # a batch's ids (a join's): a view as it is
+        return ids.numpy()
     if isinstance(ids, torch.Tensor):
         ids = ids.detach().cpu().numpy()
     arr = np.asarray(ids)

@@ -67,6 +67,12 @@ def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.float32
     return torch.from_numpy(_arena.alloc(math.prod(shape) * dtype.itemsize)).view(dtype).view(shape)
 
 
+def empty_bytes(nbytes: int) -> np.ndarray:
+    """``nbytes`` uninitialised bytes as a uint8 array, where :func:`empty` puts a tensor (the batch's
+    shared memory inside a torchforge worker); ``torch.from_numpy`` of it is such a tensor."""
+    return np.empty(nbytes, np.uint8) if _arena is None else _arena.alloc(nbytes)
+
+
 def _shm_tensor_fn(batch: list, *, collate_fn_map: Any = None) -> torch.Tensor:
     elem = batch[0]
     if _arena is None or type(elem) is not torch.Tensor or elem.layout is not torch.strided \
