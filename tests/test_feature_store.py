@@ -188,6 +188,22 @@ def test_get_keeps_order_and_repeats_and_fills_missing(store):
     assert 3 in store and 4 not in store
 
 
+def test_get_takes_id_tensors_of_any_layout_and_leaves_them_as_they_were(written):
+    """A batch's contiguous int64 CPU ids are read in place (no copy); strided, int32 and 0-d tensors
+    are converted; none of them is changed by the get."""
+    want = written.get(np.array([7, 3, 3, 40]))["emb"]
+    base = torch.tensor([7, 0, 3, 0, 3, 0, 40, 0])
+    for ids in (base[::2], base[::2].clone(), base[::2].to(torch.int32), base[::2].numpy()):
+        before = torch.as_tensor(ids).clone()
+        assert torch.equal(written.get(ids)["emb"], want)
+        assert torch.equal(torch.as_tensor(ids), before)
+    assert torch.equal(written.get(torch.tensor(40))["emb"], want[3:])
+    with pytest.raises(TypeError, match="1-D sequence of integers"):
+        written.get(torch.tensor([[7, 3]]))
+    with pytest.raises(TypeError, match="1-D sequence of integers"):
+        written.get(torch.tensor([7.0]))
+
+
 def test_schema_is_required_to_create_and_checked_on_open(tmp_path):
     with pytest.raises(ValueError, match="needs a schema"):
         FeatureStore(tmp_path / "a", create=True)
