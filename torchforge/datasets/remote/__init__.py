@@ -43,8 +43,9 @@ few samples each before the limit evicts them, it reads the samples of uncached 
 instead (``_RemoteShards._limited_batch``; every format).
 
 JINX (:class:`RemoteJinxDataset`) and safetensors column shards (:class:`RemoteSafetensorsDataset`) have
-no index of the whole dataset: the folder is listed (probed over ``http(s)://``), each shard's footer or
-header is read with small range reads, and every object's ETag is pinned; shards (and JINX sidecars) are
+no index of the whole dataset: the folder is listed (probed over ``http(s)://``; a URL naming one ``.jinx``
+or ``.safetensors`` object is that shard alone, found with its sidecar by HEAD requests), each shard's
+footer or header is read with small range reads, and every object's ETag is pinned; shards (and JINX sidecars) are
 then fetched whole on first use like MDS shards. Both read in ``mode="ranges"`` too. A safetensors sample
 is one row of each column (a ragged column's rows between two of its offsets, read once per shard), a batch
 one coalesced read per shard as for MDS. A JINX shard's index is decoded when the dataset opens (from the
