@@ -1414,8 +1414,10 @@ def test_a_url_naming_one_shard_object_opens_that_shard_alone_as_a_local_file_do
         for i in range(12):
             w.write({"x": torch.full((3,), float(i)), "ids": torch.arange(i % 4 + 1)})
     _upload_folder(put, str(st), f"one/{mode}/st")
+    proxy.reset()
     ds = torchforge.open_dataset(f"s3://{BUCKET}/one/{mode}/st/shard-00001.safetensors", **opts)
     assert isinstance(ds, RemoteSafetensorsDataset) and len(ds) == 5  # the middle shard, not marked last
+    assert all("?" not in path for path, _ in proxy.gets), proxy.gets  # no listing of the folder either
     assert [float(ds[i]["x"][0]) for i in range(5)] == [5.0, 6.0, 7.0, 8.0, 9.0]
     assert torch.equal(ds[4]["ids"], torch.arange(9 % 4 + 1))
     # an object that is not there is still named; a folder is still a folder

@@ -84,7 +84,10 @@ def open_remote(url: str, **kwargs: Any) -> Any:
         return RemoteMDSDataset(url, **kwargs)
     found = False  # any object below the folder
     refused: TypeError | None = None  # options the JINX class does not take (columns=, for safetensors)
-    for cls in (RemoteJinxDataset, RemoteSafetensorsDataset):
+    # a URL naming a .safetensors object tries that format first: the JINX reader would list the folder
+    order = (RemoteSafetensorsDataset, RemoteJinxDataset) if folder.endswith(".safetensors") \
+        else (RemoteJinxDataset, RemoteSafetensorsDataset)
+    for cls in order:
         try:
             inspect.signature(cls).bind(url, **kwargs)
         except TypeError as e:
