@@ -1,6 +1,7 @@
 """DataLoader.state_dict()/load_state_dict(): a fresh loader yields exactly the batches the uninterrupted
 run would have yielded next: 0 and 2 workers x map-style and iterable (with and without a dataset
-state) x mid-epoch and epoch boundary x persistent workers; and elastic 2 -> 3 ranks under gloo.
+state) x mid-epoch (of the first and of a later pass) and epoch boundary x persistent workers; and
+elastic 2 -> 3 ranks under gloo.
 
 The samples carry random draws made inside the dataset, and those resume exactly too because the
 loaders seed per batch; without ``seed_per_batch`` a resumed worker's random stream starts again from
@@ -79,20 +80,25 @@ def _flat(batch):
 _WORKERS = [(0, False), (2, False), (2, True)]
 
 
-@pytest.mark.parametrize("where", ["mid", "boundary"])
+@pytest.mark.parametrize("where", ["mid", "boundary", "mid-second-pass"])
 @pytest.mark.parametrize("kind", ["map", "iterable", "iterable-stateless"])
 @pytest.mark.parametrize(("workers", "persistent"), _WORKERS)
 def test_resume_yields_exactly_the_uninterrupted_batches(workers, persistent, kind, where):
     torch.manual_seed(1234)
     full = _loader(kind, workers, persistent)
-    want = [[_flat(b) for b in full] for _ in range(2)]  # two passes
+    want = [[_flat(b) for b in full] for _ in range(3)]  # three passes
     assert len(want[0]) >= 12
+    # every pass draws new numbers (persistent workers too: their seed is kept, the pass number is not)
+    assert [x[1] for b in want[0] for x in b] != [x[1] for b in want[1] for x in b]
 
     torch.manual_seed(1234)
     first = _loader(kind, workers, persistent)
+    if where == "mid-second-pass":  # the first pass ran to its end: its iterator (and workers) went on
+        assert [_flat(b) for b in first] == want[0]
+        want = want[1:]
     got: list = []
     it = iter(first)
-    cut = 5 if where == "mid" else len(want[0])
+    cut = len(want[0]) if where == "boundary" else 5
     for _ in range(cut):
         got.append(_flat(next(it)))
     if where == "boundary":
@@ -108,11 +114,11 @@ def test_resume_yields_exactly_the_uninterrupted_batches(workers, persistent, ki
     torch.set_rng_state(rng)
     rest = [_flat(b) for b in resumed]
     nxt = [_flat(b) for b in resumed]
-    if where == "mid":
+    if where == "boundary":
+        assert got == want[0] and rest == want[1]
+    else:
         assert got + rest == want[0]
         assert nxt == want[1]
-    else:
-        assert got == want[0] and rest == want[1]
 
 
 @pytest.mark.parametrize("kind", ["map", "iterable-stateless"])
@@ -132,6 +138,54 @@ def test_order_resumes_without_per_batch_seeds(kind):
     resumed = make()
     resumed.load_state_dict(state)
     assert got + [b["id"].tolist() for b in resumed] == want
+
+
+@pytest.mark.parametrize("own_generator", [True, False])
+def test_persistent_workers_resume_mid_way_through_a_later_pass_in_its_order(own_generator):
+    """The second pass of persistent workers draws no base seed (torch's _reset): its shuffle starts
+    from the generator as the first pass left it. A fresh loader resuming it draws a base seed when
+    it is made, and must then replay the pass's shuffle from the saved generators, not after that draw."""
+    def make():
+        kw = {"generator": torch.Generator().manual_seed(5)} if own_generator else {}
+        return DataLoader(list(range(40)), 3, shuffle=True, num_workers=2, persistent_workers=True, **kw)
+
+    torch.manual_seed(11)
+    ref = make()
+    list(ref)
+    want = [b.tolist() for b in ref]  # the second pass, uninterrupted
+    torch.manual_seed(11)
+    loader = make()
+    list(loader)
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range(3)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del it, loader
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert got + [b.tolist() for b in resumed] == want
+
+
+def test_a_version_1_state_still_resumes_its_pass():
+    """Version 1 saved the generators before the iterator drew its base seed: such a state, from a
+    first pass, resumes exactly as it did."""
+    def make():
+        return DataLoader(list(range(40)), 3, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(9))
+
+    want = [b.tolist() for b in make()]
+    loader = make()
+    g0 = loader.generator.get_state().numpy().tobytes().hex()  # before the iterator's draws, as version 1
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range(4)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del it
+    assert state["version"] == 2
+    state.update(version=1, rng={"loader": g0})
+    state.pop("pass")
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert got + [b.tolist() for b in resumed] == want
+    with pytest.raises(ValueError, match="version 3"):
+        make().load_state_dict({**state, "version": 3})
 
 
 def test_state_of_a_loader_never_iterated_changes_nothing():

@@ -47,8 +47,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         on_error: ``"raise"`` (torch's behaviour) or ``"skip"``: a map-style sample whose
             ``__getitem__`` raises is left out of its batch, counted in :attr:`skipped` and logged.
         max_retries: how many times one batch may be re-issued after its worker died.
-        seed_per_batch: seed ``random``, torch and numpy from (base seed, batch number) before each
-            batch, so a seeded run's data does not depend on ``num_workers`` or on which worker
+        seed_per_batch: seed ``random``, torch and numpy from (base seed, batch number, pass number)
+            before each batch, so a seeded run's data does not depend on ``num_workers`` or on which worker
             served a batch, and a batch re-issued after a worker died is identical to the lost one.
     """
 
@@ -78,7 +78,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.seed_per_batch = bool(seed_per_batch)
         self.skipped = 0  #: samples left out under on_error="skip", over the loader's lifetime
         self._resume: dict[str, Any] | None = None
-        self._carried_seed: int | None = None  # persistent workers resumed at a pass boundary
+        self._carried_seed: tuple[int, int] | None = None  # persistent workers resumed at a pass boundary:
+        # (base seed, passes made under it)
         self._slabs: Any = None  # see _slab_pool
         self._pos: Any = None  # the Position of the latest pass (it outlives its iterator)
 
@@ -154,8 +155,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"not a DataLoader state (saved by torchforge.DataLoader.state_dict): "
                              f"{str(state)[:200]}") from None
-        if version != STATE_VERSION:
-            raise ValueError(f"DataLoader state version {version} is not {STATE_VERSION}")
+        if version not in (1, STATE_VERSION):
+            raise ValueError(f"DataLoader state version {version} is not 1 or {STATE_VERSION}")
         if state["dataset"] is not None:
             self.dataset.load_state_dict(state["dataset"])
         if not finished:
@@ -164,13 +165,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._resume = None
         if self.persistent_workers and self.num_workers > 0 and state["base_seed"] is not None:
             # the saved run's workers went on into the next pass with their base seed (torch's _reset)
-            self._carried_seed = int(state["base_seed"])
+            self._carried_seed = (int(state["base_seed"]), int(state.get("pass", 0)))
         if state["sampler"] is not None:
             sampler_of(self).load_state_dict(state["sampler"])
         if state.get("generator") and self.generator is not None:
             set_rng({"loader": self.generator}, {"loader": state["generator"]})
 
-    def _take_carried_seed(self) -> int | None:
+    def _take_carried_seed(self) -> tuple[int, int] | None:
         seed, self._carried_seed = self._carried_seed, None
         return seed
 

@@ -52,9 +52,12 @@ _pass_ids = itertools.count(1)
 _NOTHING = object()
 
 
-def batch_seed(base_seed: int, seq: int) -> int:
-    """The seed of batch ``seq`` under per-batch seeding: a 63-bit mix of (base seed, batch number)."""
-    x = (base_seed * 0x9E3779B97F4A7C15 + seq * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % 2**64
+def batch_seed(base_seed: int, seq: int, pass_no: int = 0) -> int:
+    """The seed of batch ``seq`` under per-batch seeding: a 63-bit mix of (base seed, batch number, pass
+    number). The pass number counts the passes made under one base seed: persistent workers keep theirs
+    from one epoch to the next, and their batches must not draw the same numbers every epoch."""
+    x = (base_seed * 0x9E3779B97F4A7C15 + seq * 0xBF58476D1CE4E5B9 + pass_no * 0xD1B54A32D192ED03
+         + 0x94D049BB133111EB) % 2**64
     x ^= x >> 31
     x = (x * 0xD6E8FEB86659FD93) % 2**64
     return (x ^ (x >> 32)) & (2**63 - 1)
@@ -95,24 +98,36 @@ class _Iter(_BaseDataLoaderIter):
             target.load_state_dict(resume["sampler"])
         gens = generators(loader)
         n = max(loader.num_workers, 1)
+        prev = getattr(self, "_pos", None)
         self._pos = loader._pos = Position(n)
-        self._pos.rng0 = get_rng(gens)
+        found = get_rng(gens)  # before the iterator's own draws (torch's base seed)
         replay = resume is not None and resume.get("rng")
         user_rng = torch.get_rng_state() if replay else None
-        if replay:
+        # the generators are saved as the pass's first sampler draw finds them (after the base seed was
+        # drawn, or not, as the pass began on new or on persistent workers); a version 1 state saved
+        # them before the iterator was made, and is replayed from there
+        legacy = replay and int(resume.get("version", 1)) < 2
+        if legacy:
             set_rng(gens, resume["rng"])
-            self._pos.rng0 = dict(resume["rng"])
+            found = dict(resume["rng"])
         try:
             carried = loader._take_carried_seed()
             if first:
                 super().__init__(loader)
+                self._pass_no = 0
                 if carried is not None:  # persistent workers go on with their seed, drawing nothing
-                    set_rng(gens, self._pos.rng0)
-                    self._base_seed = carried
+                    set_rng(gens, found)
+                    self._base_seed, self._pass_no = carried[0], carried[1] + 1
             else:
                 _BaseDataLoaderIter._reset(self, loader)
+                self._pass_no = prev.pass_no + 1 if prev is not None else 0
             if resume is not None:
                 self._base_seed = int(resume["base_seed"])
+                self._pass_no = int(resume.get("pass", 0))
+            if replay and not legacy:
+                set_rng(gens, resume["rng"])
+            self._pos.rng0 = dict(resume["rng"]) if replay else get_rng(gens)
+            self._pos.pass_no = self._pass_no
             self._primed = _NOTHING
             self._primed = self._pull_index()  # the sampler's first draws happen here, in every run
             self._plan_prefetch(loader, target)
@@ -310,7 +325,7 @@ class InProcessIter(_Iter):
             try:
                 if loader.seed_per_batch:
                     with _kept_rng():
-                        seed_everything(batch_seed(self._base_seed, seq))
+                        seed_everything(batch_seed(self._base_seed, seq, self._pass_no))
                         batch, skipped, drawn = self._source.fetch(index)
                 else:
                     batch, skipped, drawn = self._source.fetch(index)
@@ -432,7 +447,7 @@ class WorkerIter(_Iter):
 
     def _send(self, seq: int) -> None:
         w, index, sid, _ = self._tasks[seq]
-        seed = batch_seed(self._base_seed, seq) if self._loader.seed_per_batch else None
+        seed = batch_seed(self._base_seed, seq, self._pass_no) if self._loader.seed_per_batch else None
         self._res.workers.send(w, Task(self._inbox.pass_id, seq, sid, self._res.pool.path(sid), index, seed))
 
     # --- receiving ----------------------------------------------------------------------------------

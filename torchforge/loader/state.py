@@ -3,13 +3,16 @@
 ``DataLoader.state_dict()`` is plain data (ints, strings, lists, dicts and whatever the sampler's and
 dataset's own ``state_dict()`` return):
 
-- ``version``: 1; ``finished``: the pass ran to its end (the next ``iter()`` starts a new pass);
+- ``version``: 2 (a version 1 state, whose ``rng`` was saved before the iterator drew its base seed, still
+  loads); ``finished``: the pass ran to its end (the next ``iter()`` starts a new pass);
 - ``batches``: batches yielded by the pass (``extra``: with ``in_order=False``, later batches yielded
   ahead of that prefix); ``samples``: sampler indices those batches consumed;
-- ``base_seed``: the pass's worker base seed (workers seed ``base_seed + worker_id``);
+- ``base_seed``: the pass's worker base seed (workers seed ``base_seed + worker_id``); ``pass``: the
+  passes made before this one under that base seed (persistent workers keep it from epoch to epoch;
+  per-batch seeds mix it in);
 - ``rng``: the random generators the pass drew from (the loader's ``generator``, else torch's default
-  CPU generator, and a sampler's own ``generator``), as they were when the pass began; a resumed pass
-  replays its draws from them, then puts torch's default generator back as it found it;
+  CPU generator, and a sampler's own ``generator``), as the pass's first sampler draw found them; a
+  resumed pass replays its draws from them, then puts torch's default generator back as it found it;
 - ``sampler``: the sampler's state -- ``sampler.state_at(samples)`` for a sampler that can say where it
   is after any number of indices (``GlobalSampler``: elastic across world sizes), else its
   ``state_dict()`` at the start of the pass (the pass then skips ``batches`` batches of indices);
@@ -29,7 +32,7 @@ from torchforge.loader.fetch import stateful
 
 __all__ = ["STATE_VERSION", "Position", "generators", "get_rng", "sampler_of", "set_rng"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 def sampler_of(loader: Any) -> Any:
@@ -75,6 +78,7 @@ class Position:
         self.extra: set[int] = set()  # in_order=False: yielded beyond the position
         self.samples = 0  # sampler indices the yielded batches consumed
         self.base_seed: int | None = None  # None: no pass has begun
+        self.pass_no = 0  # passes made before this one under base_seed (persistent workers)
         self.rng0: dict[str, str] = {}
         self.sampler_start: Any = None
         self.worker_state: list[Any] = [None] * workers
@@ -101,6 +105,7 @@ class Position:
             "extra": sorted(self.extra),
             "samples": self.samples,
             "base_seed": None if self.base_seed is None else int(self.base_seed),
+            "pass": self.pass_no,
             "rng": None if self.finished else dict(self.rng0),
             "sampler": sampler_state,
             "skip_batches": not self.finished and not has_state_at,
