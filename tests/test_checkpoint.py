@@ -267,7 +267,7 @@ def test_damaged_state_json_is_a_checkpoint_error_naming_it(tmp_path, old, new, 
     assert ei.value.path == state and "state.json" in str(ei.value)
     with pytest.raises(CheckpointError, match="checksum mismatch") as ei:  # and verify finds it by checksum
         ck.verify(5)
-    assert ei.value.path == state
+    assert ei.value.path == state and f"bytes 0..{len(text)} " in str(ei.value)  # the block, within the file
 
 
 def test_missing_step_and_mismatched_objects(tmp_path):
@@ -840,6 +840,9 @@ def test_keep_last_keeps_the_most_recently_committed_steps_after_a_rollback(tmp_
     assert ck.steps() == [4, 5] and ck.committed() == [4, 5] and ck.latest() == 5
 
 
+_DEEP = "[" * 100_000 + "]" * 100_000
+
+
 @pytest.mark.parametrize(("name", "bad"), [
     ("model.safetensors.index.json", []),
     ("model.safetensors.index.json", {"weight_map": 3}),
@@ -851,13 +854,15 @@ def test_keep_last_keeps_the_most_recently_committed_steps_after_a_rollback(tmp_
     ("manifest.json", {"format": "torchforge-checkpoint", "version": 2, "step": 1, "files": {}}),
     ("manifest.json", [1, 2]),
     ("state.json", {"format": "torchforge-checkpoint", "version": 1, "step": 1, "extra": None, "model": []}),
+    # JSON nested deeper than the parser recurses (was a raw RecursionError)
+    ("manifest.json", _DEEP), ("state.json", _DEEP), ("model.safetensors.index.json", _DEEP),
 ])
 def test_structurally_wrong_json_is_a_checkpoint_error(tmp_path, name, bad):
     m, opt = _fresh()
     ck = Checkpointer(tmp_path)
     ck.save(1, model=m, optimizer=opt)
     path = tmp_path / "step-00000001" / name
-    path.write_text(json.dumps(bad))
+    path.write_text(bad if bad is _DEEP else json.dumps(bad))
     if name != "manifest.json":  # keep the manifest's size and digests right: only the structure is wrong
         from torchforge.checkpoint.digest import BlockDigest
 
@@ -872,6 +877,42 @@ def test_structurally_wrong_json_is_a_checkpoint_error(tmp_path, name, bad):
     with pytest.raises(CheckpointError) as e:
         ck.restore(1, model=m2, optimizer=opt2)
     assert name in str(e.value) or "step-00000001" in str(e.value)
+    if name == "manifest.json" and not (isinstance(bad, dict) and bad.get("files") == {}):
+        with pytest.raises(CheckpointError, match="manifest"):  # verify reads the manifest as restore does
+            ck.verify(1)
+    # later saves go on, pruning the damaged step
+    ck2 = Checkpointer(tmp_path, keep_last=1)
+    ck2.save(2, model=m, optimizer=opt)
+    assert ck2.steps() == [2]
+    ck2.restore(2, model=m2, optimizer=opt2)
+
+
+def test_a_manifest_listing_a_negative_size_is_refused(tmp_path):
+    ck = Checkpointer(tmp_path)
+    ck.save(1, model=_fresh()[0])
+    mpath = tmp_path / "step-00000001" / "manifest.json"
+    man = json.loads(mpath.read_text())
+    man["files"]["state.json"]["size"] = -5
+    mpath.write_text(json.dumps(man))
+    for call in (ck.manifest, ck.verify, ck.restore):
+        with pytest.raises(CheckpointError, match="size of 0 or more bytes") as e:
+            call(1)
+        assert e.value.path == str(mpath)
+
+
+def test_conjugate_and_negative_views_are_saved_as_their_values(tmp_path):
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    extra = {"conj": z.conj(), "neg": torch._neg_view(z), "plain": z}
+    assert extra["conj"].is_conj() and extra["neg"].is_neg()
+    ck = Checkpointer(tmp_path)
+    for step, blocking in ((1, True), (2, False)):
+        ck.save(step, extra=extra, blocking=blocking)
+        ck.wait()
+        back = ck.restore(step)
+        for k, v in extra.items():
+            assert torch.equal(back[k], v.resolve_conj().resolve_neg()) and not back[k].is_conj(), (k, blocking)
+        ck.verify(step)
+    assert extra["conj"].is_conj() and torch.equal(z, torch.tensor([1 + 2j, 3 - 4j]))  # the inputs untouched
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

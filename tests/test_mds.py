@@ -389,6 +389,14 @@ def _read_all(folder, **kw):
     return list(ds)
 
 
+def test_index_json_nested_too_deep_is_a_format_error_naming_it(small):
+    path = os.path.join(small, "index.json")
+    _save(path, b"[" * 100_000 + b"]" * 100_000)  # valid JSON, deeper than the parser recurses
+    with pytest.raises(FormatError, match="not JSON") as e:
+        MDSDataset(small)
+    assert e.value.path == path
+
+
 def test_truncated_shard(small):
     path = _shard0(small)
     data = _read(path)

@@ -140,7 +140,7 @@ class Checkpointer:
             if strict and not isinstance(e, FileNotFoundError):
                 raise
             return 0
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
             return 0
 
     def path(self, step: int) -> str:
@@ -463,11 +463,11 @@ class Checkpointer:
                 raise ValueError("not a torchforge checkpoint manifest")
             for name, e in m["files"].items():
                 if "/" in name or "\\" in name or "\x00" in name or name.startswith(".") or not isinstance(e, dict) or not (
-                        isinstance(e.get("size"), int) and isinstance(e.get("digests"), list)):
-                    raise ValueError(f"bad entry {name!r}: names must be plain file names with size and "
-                                     "digests")
+                        type(e.get("size")) is int and e["size"] >= 0 and isinstance(e.get("digests"), list)):
+                    raise ValueError(f"bad entry {name!r}: names must be plain file names with a size of 0 or "
+                                     "more bytes and digests")
             return m
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
             raise CheckpointError(f"unreadable manifest: {e}", path=p) from None
 
     def verify(self, step: int) -> None:
@@ -642,7 +642,7 @@ class Checkpointer:
         try:
             with open(p, "rb") as f:
                 return json.loads(f.read())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
             raise CheckpointError(f"unreadable {name}: {e}", path=p) from None
 
     def _group(self, folder: str, group: str, listed: Any) -> tuple[list[str], Any]:
@@ -712,7 +712,7 @@ def _decode(value: Any, tensor: Any, where: str) -> Any:
         return decode(value, tensor)
     except TorchforgeError:  # a damaged tensor file: its own error names it (and the offset)
         raise
-    except (TypeError, ValueError, AttributeError, KeyError) as e:
+    except (TypeError, ValueError, AttributeError, KeyError, RecursionError) as e:
         raise CheckpointError(f"{STATE} is damaged: cannot decode {e!r}", path=where) from e
 
 

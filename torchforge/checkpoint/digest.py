@@ -151,7 +151,8 @@ def verify_files(folder: str, entries: Mapping[str, Mapping[str, Any]], *, check
     for (name, b), got in zip(work, run(lambda nb: _digest_block(os.path.join(folder, nb[0]), nb[1]), work)):
         want = entries[name]["digests"][b]
         if got != want:
-            raise CheckpointError(f"checksum mismatch in bytes {b * BLOCK}..{(b + 1) * BLOCK} (digest {got}, "
+            end = min((b + 1) * BLOCK, entries[name]["size"])
+            raise CheckpointError(f"checksum mismatch in bytes {b * BLOCK}..{end} (digest {got}, "
                                   f"manifest {want}): the file is damaged", path=os.path.join(folder, name),
                                   offset=b * BLOCK)
 

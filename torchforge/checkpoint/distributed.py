@@ -485,7 +485,7 @@ def _dead_ranks(tmp: str, waiting: list[int]) -> list[str]:
         try:
             with open(os.path.join(tmp, f"rank-{r:05d}.pid"), "rb") as f:
                 who = json.loads(f.read())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue  # not started yet (or on a host whose file is not visible yet): the timeout covers it
         if isinstance(who, dict) and who.get("host") == host_name() and isinstance(who.get("pid"), int) \
                 and not pid_alive(who["pid"]):
@@ -872,7 +872,7 @@ def _rank_info(folder: str, manifest: dict[str, Any], r: int) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             info = json.loads(f.read())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"rank {r}'s state is unreadable: {e}", path=path) from None
     if not isinstance(info, dict):
         raise CheckpointError(f"rank {r}'s state is not a JSON object", path=path)

@@ -36,7 +36,7 @@ class TensorTable:
         key = None
         if t.numel():
             key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-                   t.dtype)
+                   t.dtype, t.is_conj(), t.is_neg())  # x.conj() shares x's memory, not its values
             if key in self._seen:
                 self.aliases[name] = self._seen[key]
                 return self._seen[key]

@@ -121,7 +121,7 @@ def read_index(folder: str) -> list[ShardMeta]:
             obj = json.loads(f.read())
     except FileNotFoundError:
         raise NotFoundError("no MDS index.json here", path=path) from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise FormatError(f"index.json is not JSON ({e})", path=path, offset=getattr(e, "pos", None)) from None
     if not isinstance(obj, Mapping) or obj.get("version") != 2 or not isinstance(obj.get("shards"), list):
         raise FormatError("not an MDS index: expected {'version': 2, 'shards': [...]}", path=path)
@@ -278,7 +278,7 @@ class MDSShard:
                                     path=path, offset=4 + 4 * n)
         try:
             config = json.loads(bytes(self._view[head:offsets[0]]))
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise CorruptShardError(f"shard config is not JSON ({e})", path=path, offset=head) from None
         if not isinstance(config, Mapping) or (
                 list(config.get("column_names", ())), list(config.get("column_encodings", ()))) != (

@@ -450,9 +450,12 @@ def logical_shape(t: torch.Tensor) -> list[int]:
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
-    """The C-order bytes of a contiguous CPU tensor, without copying."""
+    """The C-order bytes of a contiguous CPU tensor, without copying (but for a lazily conjugated or
+    negated view, ``x.conj()``, whose stored bytes are not its values: those are resolved into a copy)."""
     if t.numel() == 0:
         return memoryview(b"")
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
