@@ -374,6 +374,61 @@ def test_custom_batches_namedtuples_mappings_and_nested_tensors_travel():
     assert nested[1].is_nested and [t.numel() for t in nested[1].unbind()] == [3, 4]
 
 
+def _drop_small(batch):
+    """The usual "drop bad samples" collate: None when nothing is left."""
+    kept = [b for b in batch if b >= 2]
+    return torch.utils.data.default_collate(kept) if kept else None
+
+
+class _SomeNone(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return None if i % 2 else {"x": i}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_none_batch_is_yielded_as_torch_yields_it(workers):
+    for make in (lambda cls: cls(list(range(6)), batch_size=2, collate_fn=_drop_small, num_workers=workers),
+                 lambda cls: cls(_SomeNone(), batch_size=None, num_workers=workers)):
+        want, ours = list(make(TorchLoader)), make(DataLoader)
+        got = list(ours)
+        assert same(got, want) and len(got) == len(ours), got
+        assert None in got
+    # a batch whose every sample was skipped under on_error="skip" is left out (there is no batch)
+    skip = DataLoader(_SecondPairFails(), batch_size=2, num_workers=workers, on_error="skip")
+    assert [b.tolist() for b in skip] == [[0, 1], [4, 5]] and skip.skipped == 2
+
+
+class _SecondPairFails(Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        if i in (2, 3):
+            raise KeyError(i)
+        return i
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_conjugate_and_negative_views_arrive_as_their_values(workers):
+    def collate(samples):
+        z = torch.tensor([complex(s, s + 1) for s in samples])
+        return {"conj": z.conj(), "neg": torch._neg_view(z), "z": z}
+
+    for b in DataLoader(list(range(4)), batch_size=2, num_workers=workers, collate_fn=collate):
+        z = b["z"]
+        assert torch.equal(b["conj"].resolve_conj(), z.conj().resolve_conj())
+        assert torch.equal(b["neg"].resolve_neg(), torch.neg(z))
+
+
+def test_a_timeout_without_workers_is_refused_as_torch_refuses_it():
+    for cls in (TorchLoader, DataLoader):
+        with pytest.raises(AssertionError, match="requires timeout == 0"):
+            iter(cls(list(range(4)), timeout=5))
+
+
 # --- the smaller defects -------------------------------------------------------------------------------------
 def _no_descriptors(worker_id):
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

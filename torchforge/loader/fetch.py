@@ -11,7 +11,9 @@ from torch.utils.data._utils.collate import default_collate as _torch_default_co
 
 from torchforge.loader.collate import default_collate
 
-__all__ = ["Source", "stateful"]
+__all__ = ["SKIPPED", "Source", "stateful"]
+
+SKIPPED = object()  #: what :meth:`Source.fetch` returns for a batch whose every sample was skipped
 
 
 def stateful(obj: Any) -> bool:
@@ -60,7 +62,8 @@ class Source:
 
         Returns:
             ``(batch, skipped, drawn)``: ``skipped`` lists ``[index, "Type: message"]`` pairs left out
-            under ``on_error="skip"`` (the batch is None when every sample was); ``drawn`` counts the
+            under ``on_error="skip"`` (the batch is :data:`SKIPPED` when every sample was: a collate
+            function may return None, which is a batch like any other, as in torch); ``drawn`` counts the
             samples taken from an IterableDataset's iterator.
 
         Raises:
@@ -85,7 +88,7 @@ class Source:
                 data.append(self.dataset[i])
             except Exception as e:  # noqa: BLE001 - the policy is to skip whatever user code raises
                 skipped.append([i, f"{type(e).__name__}: {e}"])
-        return (self.collate_fn(data) if data else None), skipped, 0
+        return (self.collate_fn(data) if data else SKIPPED), skipped, 0
 
     def _next_iterable(self, index: Any) -> tuple[Any, list, int]:
         if self.ended:

@@ -38,7 +38,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from torchforge.errors import WorkerError
 from torchforge.loader.device import DeviceStage
-from torchforge.loader.fetch import Source, stateful
+from torchforge.loader.fetch import SKIPPED, Source, stateful
 from torchforge.loader.messages import Forget, NewPass, Reply, Task
 from torchforge.loader.resources import Inbox, Resources
 from torchforge.loader.state import Position, generators, get_rng, sampler_of, set_rng
@@ -298,6 +298,8 @@ class InProcessIter(_Iter):
     """``num_workers=0``: batches are fetched and collated in the calling process."""
 
     def __init__(self, loader: Any):
+        if loader.timeout != 0:  # torch's words and type (it has no worker to wait for)
+            raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
         self._stage = DeviceStage(loader.device, None)
         super().__init__(loader)
         self._source = Source(loader.dataset, iterable=self._iterable, auto_collation=self._auto_collation,
@@ -337,7 +339,7 @@ class InProcessIter(_Iter):
                 raise
             loader._count_skipped(skipped)
             reply = Reply(0, seq, count=drawn)
-            if batch is None:
+            if batch is SKIPPED:
                 self._note_done(seq)
                 continue
             return batch, (seq, self._count(index), 0, reply)

@@ -42,7 +42,7 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is torch.Tensor and obj.layout is torch.strided and obj.device.type == "cpu" \
                 and not obj.requires_grad and not obj.is_nested and not obj.is_quantized:
-            t = obj.contiguous()
+            t = obj.contiguous() if not (obj.is_conj() or obj.is_neg()) else obj.resolve_conj().resolve_neg()
             nbytes = t.numel() * t.element_size()
             flat = t.reshape(-1).view(torch.uint8).numpy() if nbytes else bytearray()
             return _rebuild_tensor, (pickle.PickleBuffer(flat), str(t.dtype)[6:], tuple(t.shape))

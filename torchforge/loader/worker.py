@@ -34,7 +34,7 @@ from torch.utils.data._utils import signal_handling
 from torch.utils.data.graph_settings import apply_random_seed, apply_sharding
 
 from torchforge.loader import collate
-from torchforge.loader.fetch import Source, stateful
+from torchforge.loader.fetch import SKIPPED, Source, stateful
 from torchforge.loader.messages import Forget, NewPass, Reply, Task
 from torchforge.loader.slabs import SlabWriter
 from torchforge.loader.transport import encode
@@ -184,7 +184,7 @@ def _run(task: Task, source: Source, writer: SlabWriter, where: str) -> Reply:
     collate.set_arena(arena)
     try:
         batch, skipped, drawn = source.fetch(task.index)
-        if batch is None:
+        if batch is SKIPPED:
             return Reply(task.pass_id, task.seq, task.slab, skipped=skipped)
         stream_off, stream_len, buffers = encode(batch, arena)
         del batch
