@@ -878,7 +878,7 @@ def test_cli_inspect_and_verify_understand_a_store(written, capsys):
     out = capsys.readouterr().out
     assert "format: feature-store" in out and "rows: 50" in out and "emb: float16 [4]" in out
     assert main(["verify", written.path]) == 0
-    assert "50 samples decoded, 0 problems" in capsys.readouterr().out
+    assert "50 rows checked over every version, 0 problems" in capsys.readouterr().out
     shard = os.path.join(written.path, written._snap.manifest.shards[0].file)
     with open(shard, "r+b") as f:  # flip a byte of the data: same size, header intact
         f.seek(os.path.getsize(shard) - 3)
@@ -978,6 +978,65 @@ def test_a_damaged_steps_field_in_the_index_is_an_error_not_ids_reported_missing
         assert e.value.path == index
     with pytest.raises(MissingIdsError):  # a really missing id is still only that
         FeatureStore(tmp_path / "fs").get(np.r_[ids[:5], [1]])
+
+
+def test_a_damaged_id_in_the_index_is_an_error_not_ids_reported_missing(tmp_path):
+    store = FeatureStore(tmp_path / "fs", SCHEMA, create=True)
+    ids = np.arange(1000)
+    with store.writer() as w:
+        w.write(ids, **_rows(ids))
+    index = os.path.join(store.path, store._snap.manifest.index.file)
+    with open(index, "r+b") as f:  # one flipped byte in id 500: the ids no longer increase there
+        n = int.from_bytes(f.read(8), "little")
+        head = json.loads(f.read(n))
+        at = 8 + n + head["id"]["data_offsets"][0] + 8 * 500 + 6
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+    reopened = FeatureStore(store.path)
+    _expect(reopened, [1, 2, 999])  # hits are checked by the id their row holds: still right
+    for probe in ([499, 500, 501], ids):  # one by one, and in rounds
+        for missing in (None, 0.0):  # a present id is never reported missing, nor given the default
+            with pytest.raises(CorruptShardError, match="do not increase") as e:
+                FeatureStore(store.path).get(probe, missing=missing)
+            assert e.value.path == index and e.value.offset == 8 + n + head["id"]["data_offsets"][0] + 8 * 501
+    with pytest.raises(CorruptShardError):
+        500 in FeatureStore(store.path)  # noqa: B015
+
+
+def test_a_schema_whose_rows_are_too_large_is_a_format_error_before_anything_is_sized_from_it(written):
+    huge = {"shape": [2**39, 2**39], "dtype": "F16"}  # each dimension alone is in range
+    path = os.path.join(written.path, "schema.json")
+    with open(path) as f:
+        doc = json.load(f)
+    doc["columns"]["emb"] = huge
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    _, m = _manifest(written)
+    _lie(written, schema={**m["schema"], "emb": huge})  # the manifest agrees with it
+    with pytest.raises(FormatError, match="1 TiB") as e:
+        FeatureStore(written.path).get([1])
+    assert e.value.path == path
+
+
+def test_store_arguments_that_do_not_fit_are_typed_errors_naming_them(written):
+    with pytest.raises(TypeError, match="one id"):
+        [5, 6] in written  # noqa: B015
+    assert 5 in written and 60 not in written
+    with pytest.raises(ValueError, match="'emb'"):
+        written.get([3, 60], missing=torch.zeros(2))  # rows of emb are (4,)
+
+
+def test_join_refuses_ids_that_are_not_integers(written):
+    joined = written.join([{"id": 2.9}, {"id": "5"}])
+    for i, shown in ((0, "float 2.9"), (1, "str 5")):  # (int() would make them ids 2 and 5)
+        with pytest.raises(TypeError, match=shown):
+            joined[i]
+    with pytest.raises(TypeError, match="float 2.9"):  # the loader's whole-column path collates them first
+        next(iter(DataLoader(written.join([{"id": 2.9}, {"id": 1.7}]), batch_size=2)))
+    ok = written.join([{"id": np.int64(3)}, {"id": torch.tensor(4)}])  # integers of any kind are ids
+    assert [float(s["loss"]) for s in (ok[0], ok[1])] == [1.5, 2.0]
 
 
 def test_a_commit_whose_versions_fsync_fails_after_the_link_keeps_that_version_whole(store, monkeypatch):

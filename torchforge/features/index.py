@@ -158,6 +158,8 @@ class IdIndex:
             if info is None or info.dtype != code or len(info.shape) != 1:
                 raise CorruptShardError(f"an index needs a 1-D {code} tensor {name!r}, found {info}", path=path)
             arrays[name] = np.frombuffer(self._mm, dtype=dt, count=info.shape[0], offset=start + info.start)
+            if name == "id":
+                self._id_offset = start + info.start
         self.ids, self.shard, self.row, self.dir = arrays["id"], arrays["shard"], arrays["row"], arrays["dir"]
         self.n = len(self.ids)
         if self.n != expect_rows or len(self.shard) != self.n or len(self.row) != self.n:
@@ -174,6 +176,7 @@ class IdIndex:
                                     "shift (0..63), steps (0..64)", path=path) from None
         if len(self.dir) < 2:
             raise CorruptShardError("the bucket directory needs at least 2 entries", path=path)
+        self._sorted = False  # the ids were checked to increase strictly (at the first miss)
 
     def lookup(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Positions of the int64 ids ``q`` in the index and whether each was found."""
@@ -205,9 +208,28 @@ class IdIndex:
             rounds = True
         np.minimum(pos, n - 1, out=pos)
         found = self.ids.take(pos, mode="clip") == q
-        if rounds and not found.all():
-            self._check_misses(q[~found])
+        if not found.all():
+            if not self._sorted:
+                self._check_sorted()
+            if rounds:
+                self._check_misses(q[~found])
         return pos, found
+
+    def _check_sorted(self) -> None:
+        """Every search trusts the ids to increase strictly: before the first miss is reported (or given
+        the ``missing=`` default), check that they do, once per process, in pieces (a hit needs no check: its
+        row holds its id, which the reader compares). A damaged id that keeps the order is only found by the
+        index's digest (``torchforge verify``)."""
+        ids, piece = self.ids, 1 << 20
+        for a in range(0, self.n - 1, piece):
+            b = min(a + piece + 1, self.n)
+            bad = (ids[a + 1:b] <= ids[a:b - 1]).nonzero()[0]
+            if len(bad):
+                k = a + int(bad[0]) + 1
+                raise CorruptShardError(f"the index's ids do not increase at position {k} ({int(ids[k - 1])} then "
+                                        f"{int(ids[k])}): it is damaged", path=self.path,
+                                        offset=self._id_offset + 8 * k)
+        self._sorted = True
 
     def _check_misses(self, miss: np.ndarray) -> None:
         """The rounds trust the directory and ``steps`` of the file: an id they miss is searched again

@@ -12,6 +12,7 @@ serves the columns and leaves the sample's own fields as they are.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -153,11 +154,18 @@ class JoinedDataset(torch.utils.data.Dataset):
             try:
                 if not isinstance(s, Mapping):
                     raise TypeError
-                ids.append(int(s[key]))
+                v = s[key]
             except (KeyError, TypeError):
                 raise TorchforgeError(f"join needs mapping samples with an id field {key!r}; got a "
                                       f"{type(s).__name__}" + (f" with fields {sorted(s)[:10]}"
                                                                if isinstance(s, Mapping) else "")) from None
+            try:  # an integer as store.get takes it: 2.9 or "5" is no id (int() would make them 2 and 5)
+                if isinstance(v, bool):
+                    raise TypeError
+                ids.append(operator.index(v))
+            except TypeError:
+                raise TypeError(f"join: the id field {key!r} must hold an integer, got {type(v).__name__} "
+                                f"{str(v)[:40]}") from None
         return ids
 
     def __repr__(self) -> str:

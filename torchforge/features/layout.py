@@ -148,6 +148,9 @@ def schema_from_json(doc: Any, path: str) -> Schema:
             raise FormatError(f"column {name!r}: {c!r} is not {{'shape': [ints], 'dtype': one of "
                               f"{sorted(_CODES)}}}", path=path)
         out[name] = Column(tuple(c["shape"]), _CODES[c["dtype"]])
+        if len(c["shape"]) > 64 or out[name].row_bytes >= 2**40:  # before any output is sized from it
+            raise FormatError(f"column {name!r}: a row of shape {c['shape'][:8]} is more than 64 dimensions "
+                              "or 1 TiB", path=path)
     return out
 
 

@@ -304,5 +304,9 @@ def _default_row(missing: Any, name: str, schema: Schema) -> np.ndarray:
     value = missing[name] if isinstance(missing, dict) else missing
     col = schema[name]
     t = torch.empty(col.shape, dtype=col.dtype)
-    t.copy_(torch.as_tensor(value))  # broadcasts a scalar
+    try:
+        t.copy_(torch.as_tensor(value))  # broadcasts a scalar
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"missing= for column {name!r} (rows of shape {tuple(col.shape)}, {col.dtype}) "
+                         f"does not fit: {e}") from None
     return t.reshape(-1).view(torch.uint8).numpy()

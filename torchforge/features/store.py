@@ -157,9 +157,12 @@ class FeatureStore:
         return self._snap.gather(as_ids(ids), cols, missing)
 
     def __contains__(self, i: object) -> bool:
+        q = as_ids(i)
+        if len(q) != 1:
+            raise TypeError(f"`in` takes one id, got {len(q)} (a batch: get(ids, missing=...))")
         if self._snap.index is None:
             return False
-        _, found = self._snap.index.lookup(as_ids(i))
+        _, found = self._snap.index.lookup(q)
         return bool(found[0])
 
     # --- writing and joining -----------------------------------------------------------------------
