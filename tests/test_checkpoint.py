@@ -1169,3 +1169,100 @@ def test_an_export_folder_that_is_a_symlink_is_replaced_and_later_exports_work(t
         ck.save(step, model=m, export_to=out)
     assert ck.steps() == [3] and sorted(os.listdir(tmp_path)) == ["ck", "export", "v1"]
     assert not out.is_symlink() and (out / "model.safetensors.index.json").is_file()
+
+
+def test_model_aliases_that_lie_are_a_checkpoint_error_not_weights_restored_into_others(tmp_path):
+    """Tied weights are stored once and aliased; an alias that is also a stored name (or names nothing
+    stored) would copy one tensor's values into another, silently."""
+    m, _ = _fresh()
+    ck = Checkpointer(tmp_path)
+    ck.save(1, model=m)
+    state = tmp_path / "step-00000001" / "state.json"
+    doc = json.loads(state.read_text())
+    names = list(json.loads((tmp_path / "step-00000001" / "model.safetensors.index.json").read_text())["weight_map"])
+    a, b = [n for n in names if n.endswith("weight")][:2]
+    for aliases in ({a: b, b: a}, {"head.weight": "nothing.weight"}):
+        doc["model"]["aliases"] = aliases
+        _rewrite_digested(tmp_path / "step-00000001", "state.json", json.dumps(doc).encode())
+        with pytest.raises(CheckpointError, match="aliases"):
+            ck.restore(1, model=_fresh(1)[0])
+
+
+def _rewrite_digested(folder: Path, name: str, data: bytes) -> None:
+    """Replace a file of a step and record its new size and digests: only its content is wrong."""
+    from torchforge.checkpoint.digest import BlockDigest
+
+    (folder / name).write_bytes(data)
+    man = json.loads((folder / "manifest.json").read_text())
+    d = BlockDigest()
+    d.update(memoryview(data))
+    man["files"][name] = {"size": len(data), "digests": [d.hexdigest()]}
+    (folder / "manifest.json").write_text(json.dumps(man))
+
+
+def test_a_reader_changes_nothing_and_cannot_save(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint folder"):
+        Checkpointer.reader(tmp_path / "absent")
+    assert not (tmp_path / "absent").exists()
+    m, _ = _fresh()
+    Checkpointer(tmp_path).save(3, model=m)
+    leftover = tmp_path / ".tmp-step-00000004-otherhost-1"  # a save in progress elsewhere: left alone
+    leftover.mkdir()
+    before = sorted(os.listdir(tmp_path))
+    ck = Checkpointer.reader(tmp_path)
+    assert ck.steps() == [3] and ck.latest() == 3
+    ck.verify(3)
+    m2 = _fresh(1)[0]
+    ck.restore(3, model=m2)
+    assert all(torch.equal(x, y) for x, y in zip(m.state_dict().values(), m2.state_dict().values()))
+    with pytest.raises(CheckpointError, match="cannot save"):
+        ck.save(4, model=m)
+    ck.close()
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_cli_inspect_and_verify_understand_a_checkpoint_folder_and_a_step(tmp_path, capsys):
+    from torchforge.cli import main
+
+    m, opt = _fresh()
+    ck = Checkpointer(tmp_path / "ck")
+    for step in (1, 2):
+        ck.save(step, model=m, optimizer=opt, extra={"epoch": step})
+    root, step2 = str(tmp_path / "ck"), str(tmp_path / "ck" / "step-00000002")
+    assert main(["inspect", root]) == 0
+    out = capsys.readouterr().out
+    assert "format: checkpoint" in out and "steps: [1, 2]" in out and "latest: 2" in out
+    assert "step-00000002/model-00001-of-00001.safetensors" in out
+    assert main(["inspect", step2, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == [2]
+    assert main(["verify", root]) == 0
+    assert "2 checkpoint steps checked, 0 problems" in capsys.readouterr().out
+    shard = Path(step2) / "model-00001-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # same size, header intact: only the block digest sees it
+    shard.write_bytes(bytes(data))
+    assert main(["verify", root]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED step 2:" in out and "checksum mismatch" in out and str(shard) in out and "Traceback" not in out
+    assert main(["verify", str(tmp_path / "ck" / "step-00000001")]) == 0  # the other step is whole
+    os.remove(Path(step2) / "manifest.json")  # a step folder without its manifest is still a checkpoint's
+    assert main(["verify", root]) == 1
+    assert "unreadable manifest" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_an_optimizer_that_has_not_stepped_yet_is_saved_whole_and_restores(tmp_path, blocking):
+    """A step-0 checkpoint: AdamW has no state tensors yet, so its shard is a header with no tensors
+    (was: a blocking save left that header unwritten, zeros, and the step did not verify or restore)."""
+    m, opt = _fresh()
+    ck = Checkpointer(tmp_path)
+    ck.save(0, model=m, optimizer=opt, blocking=blocking)
+    ck.wait()
+    ck.verify(0)
+    m2, opt2 = _fresh(1)
+    ck.restore(0, model=m2, optimizer=opt2)
+    assert opt2.state_dict()["state"] == {} and opt2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+    for model, optim in ((m, opt), (m2, opt2)):  # and training goes on from it as from the original
+        torch.manual_seed(7)  # (dropout)
+        _train(model, optim, range(2))
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))

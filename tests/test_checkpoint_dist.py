@@ -591,3 +591,18 @@ def test_random_kills_during_a_save_leave_a_complete_step_and_typed_errors(tmp_p
         outcomes["committed" if latest == 2 else "absent"] += 1
         ck.close()
     assert outcomes["absent"] >= 5, outcomes  # the kills really landed inside saves
+
+
+def test_a_step_0_checkpoint_saved_before_any_optimizer_step_verifies_and_restores(tmp_path):
+    """AdamW has no state before its first step: the optimizer's part of the save holds no tensors, and
+    the step must still be whole (verify) and restore at another world size and in a plain process."""
+    job = {"kind": "fsdp", "phase": "save", "steps": 0, "root": str(tmp_path / "ck"), "out": str(tmp_path),
+           "name": "save0"}
+    assert _spawn(2, job, tmp_path) == [0, 0]
+    assert "error" not in _result(tmp_path, "save0", 0)
+    Checkpointer(job["root"]).verify(0)
+    full, _ = _restore_plain(job["root"])
+    _same(load_file(tmp_path / "save0.safetensors"), full)
+    back = {"kind": "ddp", "phase": "restore", "steps": 0, "root": job["root"], "out": str(tmp_path), "name": "r3"}
+    assert _spawn(3, back, tmp_path) == [0, 0, 0]
+    _same(load_file(tmp_path / "save0.safetensors"), load_file(tmp_path / "r3.safetensors"))

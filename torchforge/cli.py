@@ -192,10 +192,13 @@ def _dataset_info(path: str) -> dict[str, Any]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from torchforge.checkpoint.inspect import checkpoint_info, is_checkpoint
     from torchforge.features.inspect import is_store, store_info  # a feature store is a folder of its own
 
     if is_remote(args.path):
         info = _remote_info(args.path, args)
+    elif is_checkpoint(args.path):
+        info = checkpoint_info(args.path)
     else:
         info = store_info(args.path) if is_store(args.path) else _dataset_info(args.path)
     if args.json:
@@ -303,13 +306,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print("torchforge verify: a URL is verified whole shard by shard (its hashes): use --mode shards",
               file=sys.stderr)
         return 2
+    from torchforge.checkpoint.inspect import is_checkpoint, verify_checkpoint
+    from torchforge.features.inspect import is_store
+
     notes: list[str] = []
-    checked, problems = verify_dataset(args.path, notes=notes, **_remote_options(args))
+    local = not is_remote(args.path)
+    if local and is_checkpoint(args.path):  # every block digest of every step
+        checked, problems = verify_checkpoint(args.path)
+        what = "checkpoint steps checked"
+    else:
+        checked, problems = verify_dataset(args.path, notes=notes, **_remote_options(args))
+        what = "rows checked over every version" if local and is_store(args.path) else "samples decoded"
     for p in problems:
         print(f"DAMAGED {p}")
     for note in notes:
         print(f"NOTE {note}")
-    print(f"{args.path}: {checked} samples decoded, {len(problems)} problems")
+    print(f"{args.path}: {checked} {what}, {len(problems)} problems")
     return 1 if problems else 0
 
 
@@ -376,14 +388,16 @@ def _parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_convert)
 
     i = sub.add_parser("inspect", parents=url,
-                       help="format, shards, sample count, fields and their encodings")
+                       help="format, shards, sample count, fields and their encodings (a dataset, a feature "
+                            "store, a checkpoint folder)")
     i.add_argument("path")
     i.add_argument("--json", action="store_true")
     i.add_argument("--max-shards", type=int, default=10)
     i.set_defaults(func=cmd_inspect)
 
     v = sub.add_parser("verify", parents=url,
-                       help="check every footer, index, offset, sidecar range and checksum")
+                       help="check every footer, index, offset, sidecar range and checksum (a dataset, a "
+                            "feature store, every step of a checkpoint folder)")
     v.add_argument("path")
     v.set_defaults(func=cmd_verify)
 

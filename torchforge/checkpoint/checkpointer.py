@@ -101,6 +101,27 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._clean_leftovers()
 
+    @classmethod
+    def reader(cls, root: str | os.PathLike) -> Checkpointer:
+        """A Checkpointer that lists, inspects and verifies the steps under ``root`` and restores them, for
+        tools that must change nothing (``torchforge inspect|verify``): unlike the constructor it creates no
+        folder and cleans no leftovers of dead writers. It cannot save."""
+        root = os.path.abspath(os.fspath(root))
+        if not os.path.isdir(root):
+            raise CheckpointError("no checkpoint folder here", path=root)
+        self = cls.__new__(cls)
+        self.root, self.keep_last, self.max_shard_size = root, None, 0
+        self.direct_io = self.recycle = False
+        self._spare_dir, self.timeout, self.last_restore = None, 600.0, {}
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="torchforge-ckpt")
+        self._flusher = None
+        self._arena = Arena()
+        self._sd_info = self._dist_plan = None
+        self._rank_files_cache = {}
+        self._thread, self._error, self._lock = None, None, threading.Lock()
+        self._read_only = True
+        return self
+
     # --- listing -------------------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Committed steps, ascending (folders being written or removed are not listed)."""
@@ -180,6 +201,9 @@ class Checkpointer:
                 (the folder's fsync, the export, pruning older steps) the error has ``installed=True``
                 and says so: the step is listed and restores.
         """
+        if getattr(self, "_read_only", False):
+            raise CheckpointError("this Checkpointer was opened with Checkpointer.reader(): it cannot save",
+                                  path=self.root)
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step={step!r} must be an int >= 0")
         self.wait()
@@ -201,7 +225,7 @@ class Checkpointer:
             pending = self._arena.stage(files, ordered=not blocking)
         else:
             for f in files:
-                if f.parts:
+                if not f.views:  # (a shard of no tensors still has its header to write)
                     f.bind()
         if blocking:
             self._write(step, files, state, export_to)
@@ -675,7 +699,8 @@ class Checkpointer:
             self._arena = Arena()
             self._sd_info = None  # the distributed save's parameter-name map (it holds the parameters)
             self._pool.shutdown(wait=True)
-            self._flusher.shutdown(wait=True)
+            if self._flusher is not None:
+                self._flusher.shutdown(wait=True)
 
     def __enter__(self) -> Self:
         return self

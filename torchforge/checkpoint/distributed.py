@@ -350,7 +350,7 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
         events = ck._arena.stage(files, ordered=not blocking)
     else:
         for f in files:
-            if f.parts:
+            if not f.views:  # (a shard of no tensors still has its header to write)
                 f.bind()
     if holds is not None and not holds():  # another rank's state changed shape: plan again, all ranks alike
         for event in events:

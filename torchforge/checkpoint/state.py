@@ -17,7 +17,7 @@ import torch
 from torchforge.checkpoint.staging import copy_tensors
 from torchforge.errors import CheckpointError
 
-__all__ = ["TensorTable", "decode", "encode", "restore_model", "restore_optimizer"]
+__all__ = ["TensorTable", "alias_problem", "decode", "encode", "restore_model", "restore_optimizer"]
 
 _TAGS = ("__tensor__", "__tuple__", "__float__", "__dict__", "__dtype__")
 
@@ -121,10 +121,22 @@ def model_table(model: torch.nn.Module) -> TensorTable:
     return table
 
 
+def alias_problem(names: list[str], aliases: Mapping[str, str]) -> str | None:
+    """What is wrong with a group's aliases: each names a tensor that is stored, and is not one itself
+    (an alias that is also stored, or that names another alias, would restore one tensor's values into
+    another)."""
+    stored = set(names)
+    wrong = [f"{k} -> {v}" for k, v in aliases.items() if k in stored or v not in stored]
+    return f"aliases {wrong[:3]} do not name a stored tensor or are stored themselves" if wrong else None
+
+
 @torch.no_grad()
 def restore_model(model: torch.nn.Module, source: Callable[[str], torch.Tensor], names: list[str],
                   aliases: Mapping[str, str], where: str) -> None:
     """Copy stored tensors into the model's existing parameters and buffers (strict key match)."""
+    problem = alias_problem(names, aliases)
+    if problem:
+        raise CheckpointError(f"state.json is damaged: model {problem}", path=where)
     target = model.state_dict(keep_vars=False)
     stored = set(names) | set(aliases)
     missing, unexpected = sorted(set(target) - stored), sorted(stored - set(target))
