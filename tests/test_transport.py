@@ -120,6 +120,62 @@ def test_types_survive_the_trip(channel):
     assert torch.equal(_roundtrip(objs[5], *channel), torch.arange(0, 10, 2))
 
 
+def _view(base: torch.Tensor, spec) -> torch.Tensor:
+    """A view of ``base`` drawn by hypothesis: a slice, a transpose, a step, an expand, an element."""
+    kind, k = spec
+    n = base.shape[0]
+    return {"whole": lambda: base, "slice": lambda: base[k % n:], "rows": lambda: base[:, : 1 + k % base.shape[1]],
+            "t": lambda: base.t(), "step": lambda: base[:: 1 + k % 3], "col": lambda: base[:, k % base.shape[1]],
+            "expand": lambda: base[:1].expand(4, -1), "elem": lambda: base[k % n, 0]}[kind]()
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from a view's first to its last in its storage."""
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 9), st.sampled_from([torch.float32, torch.int16, torch.uint8,
+                                                              torch.complex64, torch.bool, torch.bfloat16]),
+       st.lists(st.tuples(st.sampled_from(["whole", "slice", "rows", "t", "step", "col", "expand", "elem"]),
+                          st.integers(0, 50)), min_size=1, max_size=5))
+def test_views_of_one_storage_arrive_equal_with_their_strides_and_share_where_they_overlap(rows, cols, dtype, specs):
+    base = (torch.arange(rows * cols) % 251).to(dtype).view(rows, cols)
+    views = [_view(base, spec) for spec in specs]
+    pool, writer = SlabPool(), SlabWriter()
+    try:
+        got = _roundtrip(views, pool, writer)
+        for v, g in zip(views, got):
+            assert g.dtype == v.dtype and g.shape == v.shape and torch.equal(g, v)
+            if v.stride() != g.stride():  # copied compactly: a thin view of its storage
+                assert g.is_contiguous() and v.numel() * 2 < _extent(v)
+        first = got[0]
+        for v, g in zip(views[1:], got[1:]):  # a view inside the first one's bytes shares its storage
+            if v.stride() == g.stride() and first.stride() == views[0].stride() and v.dtype == views[0].dtype:
+                lo0, lo = views[0].storage_offset(), v.storage_offset()
+                if lo0 <= lo and lo + _extent(v) <= lo0 + _extent(views[0]):
+                    assert g.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                    assert g.storage_offset() - first.storage_offset() == lo - lo0
+    finally:
+        writer.close()
+        pool.close()
+
+
+def test_a_language_model_batch_sends_its_token_bytes_once(channel):
+    """inputs and targets sliced from one token tensor: one copy of the bytes, shared as torch shares it."""
+    tokens = torch.arange(4 * 1025).view(4, 1025)
+    pool, writer = channel
+    sid, path = pool.acquire()
+    arena = writer.begin(sid, path)
+    off, length, buffers = encode({"tokens": tokens, "inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, arena)
+    assert sum(buffers[1::2]) == tokens.numel() * 8  # one buffer: the tokens' bytes
+    got = decode(pool.lease(sid, arena.used), off, length, buffers)
+    got["tokens"][0, 1] = -1  # an in-place change shows in every view, as with torch's workers
+    assert got["inputs"][0, 1] == -1 and got["targets"][0, 0] == -1
+    assert got["inputs"].stride() == (1025, 1) and torch.equal(got["targets"], tokens[:, 1:].clone().index_put_(
+        (torch.tensor([0]), torch.tensor([0])), torch.tensor(-1)))
+
+
 def test_nested_and_grad_tensors_travel_in_band(channel):
     nt = torch.nested.nested_tensor([torch.ones(2), torch.zeros(3)])
     got = _roundtrip({"nt": nt, "g": torch.ones(3, requires_grad=True)}, *channel)

@@ -7,7 +7,9 @@ CPU tensors and of numpy arrays -- lands in the worker's :class:`~torchforge.loa
 instead of the pickle stream; data the collate already built in the slab is referenced where it is, not
 copied. The pickle stream itself is written into the slab too, so only a few integers cross the pipe.
 :func:`decode` unpickles in the main process with the slab's views as the buffers: tensors and arrays
-are views of the slab (no copy), and they keep it leased while they live.
+are views of the slab (no copy), and they keep it leased while they live. Tensors of one batch that
+share a storage arrive sharing one, with their strides, as from torch's workers (a view that touches
+few of the bytes between its first and last element is sent compactly instead).
 
 Tensors that pickle in band (their own ``__reduce_ex__``): tensors that require grad, sparse, nested
 and quantized tensors, tensor subclasses, and tensors on other devices (copied to the CPU by torch).
@@ -38,15 +40,49 @@ class _Pickler(pickle.Pickler):
         super().__init__(file, protocol=5, buffer_callback=self._place)
         self.arena = arena
         self.buffers: list[int] = []  # offset, length, offset, length, ...
+        # storage address -> (first byte, end byte, dtype, tensor) of each tensor placed whole from it
+        self.spans: dict[int, list[tuple[int, int, torch.dtype, torch.Tensor]]] = {}
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is torch.Tensor and obj.layout is torch.strided and obj.device.type == "cpu" \
                 and not obj.requires_grad and not obj.is_nested and not obj.is_quantized:
-            t = obj.contiguous() if not (obj.is_conj() or obj.is_neg()) else obj.resolve_conj().resolve_neg()
-            nbytes = t.numel() * t.element_size()
-            flat = t.reshape(-1).view(torch.uint8).numpy() if nbytes else bytearray()
-            return _rebuild_tensor, (pickle.PickleBuffer(flat), str(t.dtype)[6:], tuple(t.shape))
+            if obj.is_conj() or obj.is_neg():  # its stored bytes are not its values: a resolved copy
+                return self._tensor(obj.resolve_conj().resolve_neg(), False)
+            return self._tensor(obj, True)
         return NotImplemented
+
+    def _tensor(self, t: torch.Tensor, shareable: bool) -> Any:
+        """Tensors that share a storage arrive sharing one, strides kept (as torch's workers send them): a
+        tensor's bytes from its first to its last element are placed once, and a later tensor of the batch
+        that lies inside them (inputs and targets sliced from one token tensor) is rebuilt as a view of the
+        first one's storage (the pickle memo hands the decoder that same tensor). A view whose elements
+        are spread thin over its range is copied compactly instead."""
+        dtype, shape, size = t.dtype, tuple(t.shape), t.element_size()
+        nbytes = t.numel() * size
+        if nbytes == 0:
+            return _rebuild_tensor, (pickle.PickleBuffer(bytearray()), str(dtype)[6:], shape)
+        stride = t.stride()
+        lo = t.storage_offset() * size
+        contiguous = t.is_contiguous() and t.numel() > 1  # (one element may have any stride: no flat view)
+        hi = lo + (nbytes if contiguous else (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * size)
+        key = t.data_ptr() - lo  # the storage's address
+        placed = self.spans.get(key)
+        for a, b, dt, first in placed or ():
+            if a <= lo and hi <= b and dt == dtype and (lo - a) % size == 0:
+                return _view_of, (first, shape, stride, (lo - a) // size)
+        if hi - lo > 2 * nbytes:  # a thin view of a larger storage: its elements only
+            flat = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+            return _rebuild_tensor, (pickle.PickleBuffer(flat), str(dtype)[6:], shape)
+        if contiguous:
+            data = t.reshape(-1).view(torch.uint8).numpy()
+        else:
+            data = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), lo, (hi - lo,)).numpy()
+        if shareable:  # (the object pickle memoizes: a later view refers to it)
+            if placed is None:
+                self.spans[key] = [(lo, hi, dtype, t)]
+            else:
+                placed.append((lo, hi, dtype, t))
+        return _rebuild_view, (pickle.PickleBuffer(data), str(dtype)[6:], shape, stride)
 
     def _place(self, buf: pickle.PickleBuffer) -> bool:
         raw = buf.raw()
@@ -103,10 +139,27 @@ def _no_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    dt = getattr(torch, dtype)
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
-        raise TypeError(f"unknown tensor dtype {dtype!r} in a batch from a worker")
+        raise TypeError(f"unknown tensor dtype {name!r} in a batch from a worker")
+    return dt
+
+
+def _rebuild_view(buf: Any, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    """A tensor with its strides over its bytes (from its first to its last element) in the slab."""
+    if not isinstance(buf, np.ndarray):
+        buf = np.frombuffer(buf if isinstance(buf, bytearray) else bytearray(buf), dtype=np.uint8)
+    return torch.from_numpy(buf).view(_dtype(dtype)).as_strided(shape, stride, 0)
+
+
+def _view_of(first: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...], offset: int) -> torch.Tensor:
+    """A tensor that lay inside an earlier one's bytes: a view of that tensor's storage."""
+    return first.as_strided(shape, stride, first.storage_offset() + offset)
+
+
+def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    dt = _dtype(dtype)
     if not isinstance(buf, np.ndarray):
         buf = np.frombuffer(buf if isinstance(buf, bytearray) else bytearray(buf), dtype=np.uint8)
     if buf.size == 0:
