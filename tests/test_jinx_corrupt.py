@@ -367,3 +367,24 @@ def test_bad_lines_raise_named_errors_or_are_skipped(tmp_path, line_parser):
     for lazy in (True, False):
         skipping = JinxDataset(path, lazy=lazy, on_error="skip")
         assert [s["id"] for s in skipping] == good and skipping.skipped == len(BAD_LINES)
+
+
+def test_a_folder_missing_the_shard_that_ends_the_chain_is_refused_not_read_short(tmp_path):
+    """Each shard's footer names the next one; the last names none. A writer killed between two shards, or
+    a partial copy, leaves a folder whose last shard still names a next one: refused (as remotely), while a
+    folder holding the whole chain, and one shard opened as a file, still read."""
+    src = os.path.join(HERE, "fixtures", "interop", "jinx-b64-multishard")
+    names = sorted(n for n in os.listdir(src) if n.endswith(".jinx"))
+    whole = JinxDataset(src)
+    part = tmp_path / "part"
+    part.mkdir()
+    for n in names[:5]:  # the first five shards and their sidecars, as a copy stopped there
+        for ext in (".jinx", ".binx"):
+            if os.path.exists(os.path.join(src, n[:-5] + ext)):
+                shutil.copy(os.path.join(src, n[:-5] + ext), part / (n[:-5] + ext))
+    with pytest.raises(CorruptShardError, match="the dataset is incomplete") as e:
+        JinxDataset(str(part))
+    assert e.value.path == str(part / names[4]) and names[5] in str(e.value)
+    one = JinxDataset(str(part / names[4]))  # a file on its own: what it holds
+    assert len(one) == one.shards[0].num_samples
+    assert len(JinxDataset(src)) == len(whole)

@@ -15,12 +15,12 @@ from typing import Any
 
 from torchforge._limits import ensure_open_files
 from torchforge.datasets.base import ShardDataset, register_format
-from torchforge.errors import FormatError, NotFoundError, TorchforgeError
+from torchforge.errors import CorruptShardError, FormatError, NotFoundError, TorchforgeError
 from torchforge.formats.jinx_reader import LINE_ERRORS, JinxShard, sidecar_path
 from torchforge.lazy import lazy_sample
 from torchforge.remote.url import is_remote
 
-__all__ = ["JinxDataset", "detect"]
+__all__ = ["JinxDataset", "check_chain", "detect"]
 
 log = logging.getLogger(__name__)
 _ON_ERROR = ("raise", "skip")
@@ -43,6 +43,38 @@ def _shard_paths(path_or_paths: str | os.PathLike | Sequence[str | os.PathLike])
     if not paths:
         raise FormatError("no JINX files or folders given")
     return paths
+
+
+def check_chain(where: str, names: list[str], nexts: dict[str, str]) -> None:
+    """A dataset whose shards are chained (footers naming their next shard) has the shard that ends its
+    chain: a writer closes that one last and an upload puts it last, so a folder without it is a dataset
+    still being written or uploaded, one whose writer died, or a partial copy, and is refused rather
+    than read short. Shards renamed after writing still read; a folder holding only some of a dataset's
+    shards is refused unless it holds the last.
+
+    Args:
+        where: the folder (or URL) the shards were found in.
+        names: the file names of its shards.
+        nexts: file name -> the file name its footer names as the next shard (shards naming none left out).
+
+    Raises:
+        CorruptShardError: naming the last shard found and the next one its footer names.
+    """
+    if nexts and len(nexts) == len(names):  # every shard names a next one: none ends the chain
+        name = max(nexts)
+        target = nexts[name]
+        missing = "" if target in names else ", which is not there"
+        raise CorruptShardError(f"the dataset is incomplete: no shard ends its chain of shards ({name}'s footer "
+                                f"names {target} as the next{missing}); a writer or an upload still in progress, "
+                                "one that died, or a folder holding only some of a dataset's shards",
+                                path=f"{where.rstrip('/')}/{name}")
+
+
+def next_name(footer: dict) -> str | None:
+    """The file name a footer names as the next shard (``shard_next`` may be a path of the writing
+    machine), or None."""
+    nxt = footer.get("shard_next")
+    return nxt.replace("\\", "/").rsplit("/", 1)[-1] if isinstance(nxt, str) and nxt else None
 
 
 class JinxDataset(ShardDataset):
@@ -86,6 +118,11 @@ class JinxDataset(ShardDataset):
         self._all_paths = _shard_paths(path_or_paths)  # never empty: _shard_paths raises first
         ensure_open_files(2 * len(self._all_paths), "JinxDataset")  # a map per shard and per sidecar
         shards = [JinxShard(p) for p in self._all_paths]
+        items = [path_or_paths] if isinstance(path_or_paths, (str, os.PathLike)) else list(path_or_paths)
+        for folder in {os.path.abspath(os.fspath(p)) for p in items if os.path.isdir(os.fspath(p))}:
+            mine = [s for s in shards if os.path.dirname(os.path.abspath(s.path)) == folder]
+            nexts = {os.path.basename(s.path): n for s in mine if (n := next_name(s.footer)) is not None}
+            check_chain(folder, [os.path.basename(s.path) for s in mine], nexts)
         self._set_shards([s for s in shards if self._wanted(s)])
         self._paths = [s.path for s in self._shards]
         self._counts = [s.num_samples for s in self._shards]

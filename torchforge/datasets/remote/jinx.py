@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from torchforge.datasets.jinx import JinxDataset
+from torchforge.datasets.jinx import JinxDataset, check_chain, next_name
 from torchforge.datasets.remote.shards import _RemoteShards, _Spans, as_urls
 from torchforge.errors import CorruptShardError, FormatError, TorchforgeError
 from torchforge.formats.jinx_reader import LINE_PARSER, JinxShard
@@ -96,15 +96,15 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             return footer, foot, objs, shard_split, self._ranges_of(objs, footer, foot, client)  # (takes the index)
 
         for name, (footer, foot, objs, shard_split, ranged) in zip(names, self._spread(opened, names, wide=True)):
-            if isinstance(footer.get("shard_next"), str) and footer["shard_next"]:
-                nexts[name] = footer["shard_next"].replace("\\", "/").rsplit("/", 1)[-1]
+            if next_name(footer) is not None:
+                nexts[name] = next_name(footer)
             if ranged is None:  # another split's shard
                 continue
             kept.append((objs, footer["num_samples"], shard_split))
             self._footers.append((footer, foot))
             self._ranged.append(ranged)
         if one is None:  # (a shard opened on its own may name a next one, as a local .jinx file may)
-            _check_chain(self.url, names, nexts)
+            check_chain(self.url, names, nexts)
         self.shard_splits = [shard_split for _, _, shard_split in kept]  # from the footers
         self._remote_objs = [objs for objs, _, _ in kept]
         self._counts = [count for _, count, _ in kept]
@@ -295,25 +295,6 @@ class _LazyShards(Sequence):
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(len(self)))]
         return self.ds._jshards[k] or self.ds._shard(k)
-
-
-def _check_chain(url: str, names: list[str], nexts: dict[str, str]) -> None:
-    """A dataset whose shards are chained (footers naming their next shard) has the shard that ends its
-    chain: an upload puts that one last, so a listing without it is a dataset still being uploaded, or
-    one whose upload failed, and is refused rather than read short. Shards renamed after writing still
-    read, as locally; a folder holding only some of a dataset's shards is refused unless it holds the last.
-
-    Raises:
-        CorruptShardError: naming the last shard listed and the next one its footer names.
-    """
-    if nexts and len(nexts) == len(names):  # every shard names a next one: none ends the chain
-        name = max(nexts)
-        target = nexts[name]
-        missing = "" if target in names else ", which is not there"
-        raise CorruptShardError(f"the dataset is incomplete: no shard ends its chain of shards ({name}'s footer "
-                                f"names {target} as the next{missing}); "
-                                "an upload still in progress, one that failed, or a folder holding only some of "
-                                "a dataset's shards", path=f"{url}/{name}")
 
 
 def _jinx_footer(client: Any, url: str, size: int, etag: str | None,
