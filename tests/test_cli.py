@@ -77,6 +77,57 @@ def test_convert_refuses_to_overwrite(tmp_path, fixture_copy, capsys):
     assert (dst / "keep").read_text() == "mine"
 
 
+def test_convert_overwrite_keeps_the_old_destination_until_the_new_one_is_whole(tmp_path, fixture_copy, capsys):
+    src = fixture_copy("mds-streaming-none")
+    dst = str(tmp_path / "out")
+    assert main(["convert", src, dst, "--to", "jinx", "-q"]) == 0
+    before = sorted(os.listdir(dst))
+    bad = fixture_copy("jinx-b64-zst-binx")  # bytes nested in a dict: MDS refuses it
+    assert main(["convert", bad, dst, "--to", "mds", "-q", "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "meta.nested.blob" in err and "unchanged" in err
+    assert sorted(os.listdir(dst)) == before and len(open_dataset(dst)) == 200  # the old dataset, whole
+    assert [n for n in os.listdir(tmp_path) if "converting" in n] == []  # nothing left beside it
+    assert main(["convert", src, dst, "--to", "mds", "-q", "--overwrite"]) == 0  # a conversion that works
+    assert open_dataset(dst).format_name == "mds" and len(open_dataset(dst)) == 200
+    link = tmp_path / "link"
+    link.symlink_to(dst)  # a link is replaced by the new folder; what it pointed to is left alone
+    assert main(["convert", src, str(link), "--to", "jinx", "-q", "--overwrite"]) == 0
+    assert not link.is_symlink() and open_dataset(str(link)).format_name == "jinx"
+    assert open_dataset(dst).format_name == "mds"
+
+
+def test_convert_errors_are_one_line_with_no_traceback(tmp_path, fixture_copy, capsys):
+    src = fixture_copy("mds-streaming-none")
+    (tmp_path / "afile").write_text("x")
+    for argv, code, says in (
+            (["--to", "jinx", "-o", "bogus=1"], 1, "unexpected keyword argument 'bogus'"),
+            (["--to", "mds", "--columns", "{bad"], 2, "--columns is not JSON"),
+            (["--to", "mds", "--columns", '{"id": "str"}'], 1, "encoding 'str'"),
+    ):
+        assert main(["convert", src, str(tmp_path / "x"), "-q", *argv]) == code, argv
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and err.count("\n") == 1, err
+    assert main(["convert", src, str(tmp_path / "afile" / "x"), "--to", "jinx", "-q"]) == 2
+    assert "cannot make the folder" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_convert_of_an_empty_dataset(tmp_path, capsys):
+    from torchforge.formats.jinx import JinxWriter
+
+    with JinxWriter(str(tmp_path / "empty")):
+        pass
+    assert main(["convert", str(tmp_path / "empty"), str(tmp_path / "j"), "--to", "jinx", "-q"]) == 0
+    assert len(open_dataset(str(tmp_path / "j"))) == 0
+    for to, says in (("mds", "give them"), ("safetensors", "no samples")):  # nothing to infer columns from
+        assert main(["convert", str(tmp_path / "empty"), str(tmp_path / to), "--to", to, "-q"]) == 1
+        assert says in capsys.readouterr().err and not os.path.exists(tmp_path / to)
+    assert main(["convert", str(tmp_path / "empty"), str(tmp_path / "m"), "--to", "mds", "-q",
+                 "--columns", '{"id": "int"}']) == 0
+    assert open_dataset(str(tmp_path / "m")).format_name == "mds" and len(open_dataset(str(tmp_path / "m"))) == 0
+
+
 @pytest.mark.parametrize("where", ["same", "parent", "inside"])
 def test_convert_refuses_a_destination_that_is_contains_or_lies_inside_the_source(where, tmp_path, capsys):
     root = tmp_path / "data"

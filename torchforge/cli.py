@@ -90,7 +90,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     options = dict(kv.split("=", 1) for kv in args.option)
     options = {k.replace("-", "_"): _num(v) for k, v in options.items()}
     if args.columns:
-        options["columns"] = json.loads(args.columns)
+        try:
+            options["columns"] = json.loads(args.columns)
+        except ValueError as e:
+            print(f"torchforge convert: --columns is not JSON: {e}", file=sys.stderr)
+            return 2
     clash = _overlap(args.src, args.dst)
     if clash:
         print(f"torchforge convert: {clash}; write to a destination outside the source", file=sys.stderr)
@@ -104,18 +108,62 @@ def cmd_convert(args: argparse.Namespace) -> int:
         except RemoteExistsError as e:
             print(f"torchforge convert: {e}", file=sys.stderr)
             return 2
+        except (ValueError, TypeError, OverflowError) as e:  # values the target format cannot hold, options
+            print(f"torchforge convert: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
         return _converted(stats, args, time.perf_counter() - t0)
-    args.dst = args.dst.removeprefix("file://")
-    if (os.path.isdir(args.dst) and os.listdir(args.dst)) or os.path.isfile(args.dst):
-        if not args.overwrite:
-            print(f"torchforge convert: {args.dst} exists and is not empty; pass --overwrite", file=sys.stderr)
+    args.dst = dst = args.dst.removeprefix("file://")
+    exists = os.path.lexists(dst) and not (os.path.isdir(dst) and not os.path.islink(dst) and not os.listdir(dst))
+    if exists and not args.overwrite:
+        print(f"torchforge convert: {dst} exists and is not empty; pass --overwrite", file=sys.stderr)
+        return 2
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            print(f"torchforge convert: cannot make the folder of {dst}: {e.strerror}", file=sys.stderr)
             return 2
-        import shutil
-
-        shutil.rmtree(args.dst) if os.path.isdir(args.dst) else os.remove(args.dst)
+    # written beside DST and moved into place once whole: a conversion that fails leaves DST as it was
+    stage = os.path.join(parent, f".{os.path.basename(os.path.abspath(dst))}.converting-{os.getpid()}")
     t0 = time.perf_counter()
-    stats = convert(args.src, args.dst, args.to, progress=not args.quiet, **remote, **options)
+    try:
+        stats = convert(args.src, stage, args.to, progress=not args.quiet, **remote, **options)
+        stats.out = dst
+        _replace(stage, dst)
+    except (TorchforgeError, OSError, ValueError, TypeError, OverflowError) as e:
+        print(f"torchforge convert: {type(e).__name__}: {e}" + ("" if not exists else f" ({dst} is unchanged)"),
+              file=sys.stderr)
+        return 1
+    finally:
+        _remove(stage)
     return _converted(stats, args, time.perf_counter() - t0)
+
+
+def _replace(stage: str, dst: str) -> None:
+    """Put the converted folder ``stage`` at ``dst``: the old DST (a folder, a file or a link) is moved
+    aside first and removed only once the new one is in place."""
+    old = None
+    if os.path.lexists(dst):
+        old = f"{stage}.old"
+        os.rename(dst, old)
+    try:
+        os.rename(stage, dst)
+    except OSError:
+        if old is not None:
+            os.rename(old, dst)
+        raise
+    if old is not None:
+        _remove(old)
+
+
+def _remove(path: str) -> None:
+    import shutil
+
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _converted(stats: Any, args: argparse.Namespace, dt: float) -> int:

@@ -290,12 +290,19 @@ def _writer(to: str, dst: str, start_pass: Callable[[ConversionStats], Iterable[
         from torchforge.formats.mds import MDSWriter
 
         columns = options.pop("columns", None) or infer_mds_columns(start_pass(ConversionStats()))
+        if not columns:
+            raise FormatError("the source holds no samples to infer MDS columns from: give them (columns=, "
+                              "--columns) to write an empty MDS dataset")
         return MDSWriter(out=dst, columns=columns, **options)
     if to == "safetensors":
         from torchforge.datasets.safetensors import SafetensorsShardWriter
 
-        for i, sample in enumerate(start_pass(ConversionStats())):  # refuse before writing anything
-            _tensor_row(sample, i)
+        n = 0
+        for n, sample in enumerate(start_pass(ConversionStats()), 1):  # refuse before writing anything
+            _tensor_row(sample, n - 1)
+        if n == 0:
+            raise FormatError("the source holds no samples: a safetensors dataset is its shards' columns, and "
+                              "an empty one has none to write")
         return _TensorRows(SafetensorsShardWriter(dst, **options))
     raise TorchforgeError(f"{to=} is not one of {list(TARGETS)}")
 

@@ -7,6 +7,7 @@ Example:
 from __future__ import annotations
 
 import bisect
+import json
 import operator
 import os
 import shutil
@@ -259,7 +260,13 @@ def detect(path: str) -> bool:
             head = f.read(1 << 16)
     except OSError:
         return False
-    return b'"format": "mds"' in head or b'"format":"mds"' in head
+    if b'"format": "mds"' in head or b'"format":"mds"' in head:
+        return True
+    try:  # an MDS dataset of no samples (MDSWriter closed with none: no shard says its format)
+        obj = json.loads(head)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(obj, dict) and obj.get("version") == 2 and obj.get("shards") == []
 
 
 register_format("mds", MDSDataset, detect)
