@@ -452,3 +452,17 @@ def test_a_nested_record_of_plain_values_is_a_plain_dict_fresh_for_every_read(wr
     s["meta"]["n"] = 3
     again = ds[0]
     assert again["turns"][0] == {"role": "user", "content": "hi"} and again["meta"] == {"lang": "en", "n": 2}
+
+
+def test_a_tensor_view_is_stored_with_its_own_values_not_its_whole_storage(tmp_path):
+    """torch.save writes a view's whole storage: one row of a million-element column would cost 4 MB."""
+    big = torch.arange(1_000_000, dtype=torch.float32)
+    col = big.view(1000, 1000)
+    samples = [{"x": big[i]} for i in range(5)] + [{"x": col[:, 7]}, {"x": col[3:5].t()}, {"x": torch.ones(3)}]
+    with JinxWriter(str(tmp_path / "j"), compression=None) as w:
+        for s in samples:
+            w.write(s)
+    assert sum(f.stat().st_size for f in (tmp_path / "j").iterdir()) < 60_000
+    for s, got in zip(samples, JinxDataset(str(tmp_path / "j"), lazy=False)):
+        assert torch.equal(got["x"], s["x"]) and got["x"].dtype == s["x"].dtype
+        assert got["x"].untyped_storage().nbytes() == s["x"].numel() * 4

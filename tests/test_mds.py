@@ -565,3 +565,16 @@ def test_importing_torchforge_never_imports_streaming():
             "torchforge.MDSDataset, torchforge.MDSWriter, torchforge.streaming.is_patched()\n"
             "assert not [m for m in sys.modules if m == 'streaming' or m.startswith('streaming.')], 'imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_json_columns_keep_integers_beyond_64_bits_exact(tmp_path):
+    """orjson reads an integer beyond 64 bits as a float: such values are read by json.loads, exactly,
+    as Streaming reads them (and as they were written)."""
+    values = [{"id": 2**64}, {"id": -2**63 - 1}, {"n": [12345678901234567890123, 1.5, "9" * 30]},
+              {"ok": 2**64 - 1}, {"f": 0.1234567890123456789}, {"text": "plain"}]
+    with MDSWriter(out=str(tmp_path / "m"), columns={"j": "json"}) as w:
+        for v in values:
+            w.write({"j": v})
+    got = [s["j"] for s in MDSDataset(str(tmp_path / "m"))]
+    assert got == values and all(type(a) is type(b) for g, v in zip(got, values) for a, b in zip(g.values(), v.values()))
+    assert type(got[2]["n"][0]) is int and type(got[4]["f"]) is float

@@ -178,8 +178,13 @@ def load_npy(data: Buffer, *, zero_copy: bool) -> np.ndarray:
 
 
 def save_pt(tensor: Any) -> bytes:
+    """``torch.save`` bytes of ``tensor``. torch.save writes a view's whole storage: a view of a larger
+    tensor (one row of a column, a slice) is saved as a compact copy of its own values instead."""
     import torch
 
+    if tensor.layout is torch.strided and not tensor.is_nested and not tensor.is_quantized \
+            and tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        tensor = tensor.detach().clone(memory_format=torch.contiguous_format).requires_grad_(tensor.requires_grad)
     buf = io.BytesIO()
     torch.save(tensor, buf)
     return buf.getvalue()

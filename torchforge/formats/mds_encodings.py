@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import struct
 import sys
 from collections.abc import Callable
@@ -141,12 +142,20 @@ def _json_enc(obj: Any) -> bytes:
     return json.dumps(obj).encode("utf-8")
 
 
+_NOT_DIGITS = bytes(c for c in range(256) if not 48 <= c <= 57)
+_LONG_RUN = re.compile(rb"[0-9]{19}")
+
+
 def _json_dec(data: Buffer) -> Any:
     if _orjson is not None:
-        try:
-            return _orjson.loads(data)
-        except _orjson.JSONDecodeError:
-            pass  # NaN/Infinity, integers beyond 64 bits: json.loads accepts what json.dumps wrote
+        raw = data if type(data) is bytes else bytes(data)
+        # orjson reads an integer beyond 64 bits as a float, silently: where 19 digits in a row could
+        # make one (counting the digits first is cheap), json.loads reads it exactly
+        if len(raw.translate(None, _NOT_DIGITS)) < 19 or not _LONG_RUN.search(raw):
+            try:
+                return _orjson.loads(raw)
+            except _orjson.JSONDecodeError:
+                pass  # NaN/Infinity: json.loads accepts what json.dumps wrote
     return json.loads(_text(data))
 
 
