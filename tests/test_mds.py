@@ -330,8 +330,16 @@ def test_writer_rejects_bad_arguments(tmp_path):
         w.write({"x": 1, "y": b"abc"})
     with pytest.raises(ValueError, match="shape"):
         w.write({"x": 1, "y": np.zeros(3, np.uint8)})
-    with pytest.raises(TypeError):
-        w.write({"x": "1", "y": np.zeros(2, np.uint8)})
+    # a value its column's encoding cannot hold: a FormatError naming the column (was the encoder's own
+    # TypeError, OverflowError, UnicodeEncodeError)
+    for bad, says in (("1", "takes int"), (2**63, "int")):
+        with pytest.raises(FormatError, match=f"column 'x' \\(int\\).*{says}"):
+            w.write({"x": bad, "y": np.zeros(2, np.uint8)})
+    s = MDSWriter(str(tmp_path / "c"), {"n": "str_int", "t": "str"})
+    for row in ({"n": True, "t": "a"}, {"n": 1, "t": "\ud800"}):  # "True" would not read back; a lone surrogate
+        with pytest.raises(FormatError, match="column"):
+            s.write(row)
+    s.finish()
     w.finish()
     with pytest.raises(FileExistsError):
         MDSWriter(str(tmp_path / "b"), {"x": "int"})

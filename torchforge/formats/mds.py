@@ -26,7 +26,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from torchforge.codecs import Codec, parse_compression
-from torchforge.errors import CodecError, FormatError
+from torchforge.errors import CodecError, FormatError, TorchforgeError
 from torchforge.formats.mds_encodings import Encoding, get_encoding
 from torchforge.formats.values import BYTES_LIKE, as_bytes
 from torchforge.sizes import parse_size
@@ -221,7 +221,13 @@ class MDSWriter:
             except KeyError:
                 raise FormatError(f"sample has no column {name!r} (columns: {self.column_names})") from None
             # Streaming stores bytes as they are, whatever the encoding (pre-encoded JPEG, ...).
-            datum = as_bytes(value, "MDS") if isinstance(value, BYTES_LIKE) else enc.encode(value)
+            try:
+                datum = as_bytes(value, "MDS") if isinstance(value, BYTES_LIKE) else enc.encode(value)
+            except (TypeError, ValueError, OverflowError) as e:  # (UnicodeError is a ValueError)
+                if isinstance(e, TorchforgeError):
+                    raise
+                raise FormatError(f"column {name!r} ({enc.name}) cannot hold this {type(value).__name__}: {e}",
+                                  path=self.out) from e
             if enc.size is None:
                 sizes.append(len(datum).to_bytes(4, "little"))
             elif len(datum) != enc.size:

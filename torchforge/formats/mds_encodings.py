@@ -131,6 +131,8 @@ def _scalar(name: str) -> Encoding:
 def _str_number(name: str, typ: type, parse: Callable[[str], Any]) -> Encoding:
     def enc(obj: Any) -> bytes:
         _need(obj, typ, name)
+        if isinstance(obj, bool):  # str(True) is "True", which no reader parses back as a number
+            raise TypeError(f"encoding {name!r} takes {typ.__name__}, got bool")
         return str(obj).encode("utf-8")
 
     return Encoding(name, None, enc, lambda data: parse(_text(data)))
