@@ -264,3 +264,18 @@ def test_shards_without_the_marker_still_read(tmp_path):
     plain.mkdir()
     st.save_file({"x": torch.arange(3)}, str(plain / "a.safetensors"))
     assert len(SafetensorsDataset(plain)) == 3
+
+
+def test_writer_takes_arrays_of_any_byte_order_and_strides_and_names_a_value_it_cannot_hold(tmp_path):
+
+    w = SafetensorsShardWriter(str(tmp_path / "a"))
+    for bad in ("text", None, {"k": 1}, np.array(["a"])):
+        with pytest.raises(FormatError, match="column 'x' of sample 0"):
+            w.write({"x": bad})
+    rows = [{"x": np.arange(4, dtype=">i4") + i, "y": np.arange(6.0)[::-1] * i} for i in range(3)]
+    w2 = SafetensorsShardWriter(str(tmp_path / "b"))
+    for r in rows:
+        w2.write(r)
+    w2.close()
+    for r, got in zip(rows, SafetensorsDataset(str(tmp_path / "b"))):
+        assert got["x"].tolist() == r["x"].tolist() and got["y"].tolist() == r["y"].tolist()

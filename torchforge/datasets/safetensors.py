@@ -249,6 +249,21 @@ class SafetensorsDataset(ShardDataset):
         return out
 
 
+def _column_value(name: str, v: Any, i: int, out: str) -> torch.Tensor:
+    """A sample's value as a CPU tensor a shard can hold: numbers, arrays (any byte order or strides) and
+    tensors; anything else is a FormatError naming the column."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().cpu()
+    a = np.asarray(v)
+    if a.dtype.kind in "biufc" and a.dtype.byteorder not in ("=", "|"):
+        a = a.astype(a.dtype.newbyteorder("="))  # big-endian: the same values in this machine's order
+    try:
+        return torch.as_tensor(np.ascontiguousarray(a))
+    except (TypeError, ValueError, RuntimeError):
+        raise FormatError(f"column {name!r} of sample {i} holds {type(v).__name__} ({a.dtype}): safetensors "
+                          "shards hold numbers, arrays and tensors of numbers", path=out) from None
+
+
 class SafetensorsShardWriter:
     """Writes samples (dicts of tensors, numpy arrays or numbers) into safetensors column shards.
 
@@ -292,8 +307,7 @@ class SafetensorsShardWriter:
         for k, v in sample.items():
             if not isinstance(k, str) or k.endswith(OFFSETS) or k == "__metadata__":
                 raise FormatError(f"column name {k!r} must be a str not ending in {OFFSETS!r}")
-            t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
-            row[k] = t.detach().cpu()
+            row[k] = _column_value(k, v, self.samples, self.out)
         schema = {k: t.dtype for k, t in row.items()}
         if self._schema is None:
             self._schema = schema
