@@ -258,7 +258,7 @@ def _column_value(name: str, v: Any, i: int, out: str) -> torch.Tensor:
     if a.dtype.kind in "biufc" and a.dtype.byteorder not in ("=", "|"):
         a = a.astype(a.dtype.newbyteorder("="))  # big-endian: the same values in this machine's order
     try:
-        return torch.as_tensor(np.ascontiguousarray(a))
+        return torch.as_tensor(a if a.flags.c_contiguous else a.copy())  # (ascontiguousarray makes 0-d 1-d)
     except (TypeError, ValueError, RuntimeError):
         raise FormatError(f"column {name!r} of sample {i} holds {type(v).__name__} ({a.dtype}): safetensors "
                           "shards hold numbers, arrays and tensors of numbers", path=out) from None
