@@ -708,3 +708,40 @@ def test_a_safetensors_dataset_missing_its_last_shard_is_refused_not_read_short(
     for mode in ("shards", "ranges"):
         ds = torchforge.open_dataset(url, cache_dir=tmp_path / f"w-{mode}", mode=mode, storage_options=env.opts)
         assert len(ds) == 30 and ds[29]["y"].item() == 29 and ds[29]["x"].tolist() == [29, 30, 31, 32, 33]
+
+
+@pytest.mark.parametrize("prefix", ["run#1/ds", "q?x=1/ds", "pct%41/ds", "sp ace+eq=/ds"])
+def test_a_key_with_url_characters_is_the_key_as_written(env, tmp_path, prefix):
+    """'#', '?' and '%' are characters of an object key, as for the cloud CLIs: no fragment, query or
+    percent-decoding (a '#' once cut the key, and every file of a convert went to one key before it)."""
+    head = prefix.split("/")[0][:3]
+    env.s3.put_object(Bucket=BUCKET, Key=head, Body=b"unrelated")
+    url = f"s3://{BUCKET}/{prefix}"
+    src = _write_mds(tmp_path / "src", n=12)
+    convert(src, url, to="mds", cache_dir=env.cache, storage_options=env.opts)
+    assert env.keys(prefix) == [f"{prefix}/index.json", f"{prefix}/shard.00000.mds"]
+    assert env.s3.get_object(Bucket=BUCKET, Key=head)["Body"].read() == b"unrelated"
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "read", storage_options=env.opts)
+    assert [s["id"] for s in ds] == [r["id"] for r in mds_rows(12, 3)]
+
+
+def test_file_urls_take_every_form_and_the_options_a_url_takes(tmp_path):
+    src = _write_mds(tmp_path / "m", n=10)
+    for url in (f"file://{src}", f"FILE://{src}", f"file://localhost{src}"):
+        assert len(torchforge.open_dataset(url)) == 10, url
+        assert len(torchforge.MDSDataset(url)) == 10, url
+    for opts in ({"mode": "ranges"}, {"cache_limit": "1GB"}, {"storage_options": {}}, {"cache_policy": "lru"}):
+        assert len(torchforge.open_dataset(f"file://{src}", **opts)) == 10, opts  # no object store: no effect
+
+
+def test_cli_errors_on_urls_are_one_line(env, tmp_path, capsys):
+    url = f"s3://{BUCKET}/cli-err/ds"
+    convert(_write_mds(tmp_path / "m", n=40), url, to="mds", cache_dir=env.cache, storage_options=env.opts,
+            size_limit=4096)
+    so = ["--cache-dir", env.cache, "--storage-option", f"endpoint={env.proxy.url}"]
+    for argv, says in ((["inspect", url, "--cache-limit", "abc"], "cache_limit='abc'"),
+                       (["inspect", "s3://", *so], "names no bucket"),
+                       (["verify", url, "--cache-limit", "1kB"], "exceed cache_limit")):
+        assert main([*argv, *so] if argv[1] != "s3://" else argv) == 1, argv
+        err = capsys.readouterr()
+        assert says in err.err and "Traceback" not in err.err and "DAMAGED" not in err.out, (argv, err)

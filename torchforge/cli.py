@@ -19,7 +19,7 @@ from typing import Any
 from torchforge._inspect import format_checks, format_details
 from torchforge.convert import _materialize
 from torchforge.errors import TorchforgeError
-from torchforge.remote.url import is_remote
+from torchforge.remote.url import is_remote, local_path
 
 __all__ = ["main"]
 
@@ -112,7 +112,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             print(f"torchforge convert: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
         return _converted(stats, args, time.perf_counter() - t0)
-    args.dst = dst = args.dst.removeprefix("file://")
+    args.dst = dst = local_path(args.dst)
     exists = os.path.lexists(dst) and not (os.path.isdir(dst) and not os.path.islink(dst) and not os.listdir(dst))
     if exists and not args.overwrite:
         print(f"torchforge convert: {dst} exists and is not empty; pass --overwrite", file=sys.stderr)
@@ -182,7 +182,7 @@ def _overlap(src: str, dst: str) -> str:
         s, d = src.rstrip("/"), dst.rstrip("/")
         sep = "/"
     else:
-        s, d = (os.path.realpath(p.removeprefix("file://")) for p in (src, dst))
+        s, d = (os.path.realpath(local_path(p)) for p in (src, dst))
         sep = os.sep
     if s == d:
         return f"DST {dst} is SRC {src}"
@@ -321,6 +321,7 @@ def _note_unhashed(ds: Any, notes: list[str] | None) -> None:
 
 def _verify_remote(url: str, remote: dict[str, Any], notes: list[str] | None = None) -> tuple[int, list[str]]:
     from torchforge.datasets.base import open_dataset
+    from torchforge.remote.errors import CacheFullError
 
     if remote.get("mode", "shards") != "shards":
         raise ValueError("verify reads whole shards to check their hashes: mode must be 'shards'")
@@ -335,6 +336,8 @@ def _verify_remote(url: str, remote: dict[str, Any], notes: list[str] | None = N
         end = ds._first[k + 1]
         try:
             ds._shard(k)  # fetched whole: size (and the hashes index.json records) checked
+        except CacheFullError:
+            raise  # not damage: the cache cannot hold the shard (said as the command's error)
         except TorchforgeError as e:
             problems.append(str(e))
             first = end
@@ -463,10 +466,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
     if isinstance(getattr(args, "path", None), str):
-        args.path = args.path.removeprefix("file://")
+        args.path = local_path(args.path)
     try:
         return args.func(args)
-    except TorchforgeError as e:
+    except (TorchforgeError, ValueError, OSError) as e:  # bad data, options or paths: one line, no traceback
         print(f"torchforge {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 

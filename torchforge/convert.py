@@ -121,14 +121,14 @@ def open_source(path: str,
         **remote: for a URL, ``cache_dir``, ``cache_limit``, ``mode``, ``storage_options`` (ignored for a
             local path).
     """
-    from torchforge.remote.url import is_remote
+    from torchforge.remote.url import is_remote, local_path
 
     if is_remote(path):
         from torchforge.datasets.base import open_dataset
 
         ds = open_dataset(path, **remote)
         return ds.format_name, lambda stats: (_materialize(s) for s in ds), len(ds)
-    path = path.removeprefix("file://")
+    path = local_path(path)
     kind = _file_kind(path)
     if kind == "jsonl":
         return kind, lambda stats: iter_jsonl(path, stats), None
@@ -344,7 +344,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, progress
         RemoteReadOnlyError: the destination is an ``http(s)://`` URL.
         RemoteError: the upload failed (names the object's URL); the destination holds no index.
     """
-    from torchforge.remote.url import is_remote
+    from torchforge.remote.url import is_remote, local_path
 
     src, dst = os.fspath(src), os.fspath(dst)
     if to not in TARGETS:
@@ -353,7 +353,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, progress
                                 ("storage_options", storage_options)) if v is not None}
     if is_remote(dst):
         return _convert_to_url(src, dst, to, progress, remote, options)
-    return _convert(src, dst.removeprefix("file://"), to, progress, remote, options)
+    return _convert(src, local_path(dst), to, progress, remote, options)
 
 
 def _convert(src: str, dst: str, to: str, progress: bool, remote: dict[str, Any],

@@ -6,6 +6,7 @@ lazy where the format allows it) and ``shard_files()`` (the files whose change i
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import os
 import tempfile
@@ -204,6 +205,9 @@ def _load_builtins() -> None:
                 raise
 
 
+_REMOTE_ONLY = ("cache_dir", "cache_limit", "cache_policy", "mode", "storage_options")
+
+
 def open_dataset(path: str | os.PathLike, **kwargs: Any) -> ShardDataset:
     """Open a JINX, MDS or safetensors-shard folder (or file) with the matching dataset class; a URL
     (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``file://``) opens an MDS or JINX dataset in object
@@ -214,19 +218,24 @@ def open_dataset(path: str | os.PathLike, **kwargs: Any) -> ShardDataset:
     >>> ds = open_dataset("data/train")  # doctest: +SKIP
     """
     path = os.fspath(path)
+    file_url = False
     if "://" in path:
-        from torchforge.remote.url import is_remote
+        from torchforge.remote.url import is_remote, local_path
 
         if is_remote(path):  # an MDS or JINX dataset in object storage (see torchforge.datasets.remote)
             from torchforge.datasets.remote import open_remote
 
             return open_remote(path, **kwargs)
-        path = path.removeprefix("file://")
+        path = local_path(path)  # a file:// URL: the local files, read in place (no object store)
+        file_url = True
     if not os.path.exists(path):
         raise NotFoundError("no such file or folder", path=path)
     _load_builtins()
     for cls, detect in _FORMATS.values():
         if detect(path):
+            if file_url:  # the object-store options a URL takes, where the local class has no such option
+                takes = inspect.signature(cls.__init__).parameters
+                kwargs = {k: v for k, v in kwargs.items() if k not in _REMOTE_ONLY or k in takes}
             return cls(path, **kwargs)
     raise FormatError(f"not a dataset of any known format ({sorted(_FORMATS)}): expected shard-NNNNN.jinx "
                       "files, an MDS index.json, or .safetensors shards", path=path)

@@ -18,7 +18,7 @@ from torchforge.datasets.base import ShardDataset, register_format
 from torchforge.errors import CorruptShardError, FormatError, NotFoundError, TorchforgeError
 from torchforge.formats.jinx_reader import LINE_ERRORS, JinxShard, sidecar_path
 from torchforge.lazy import lazy_sample
-from torchforge.remote.url import is_remote
+from torchforge.remote.url import is_remote, local_path
 
 __all__ = ["JinxDataset", "check_chain", "detect"]
 
@@ -30,7 +30,7 @@ def _shard_paths(path_or_paths: str | os.PathLike | Sequence[str | os.PathLike])
     items = [path_or_paths] if isinstance(path_or_paths, (str, os.PathLike)) else list(path_or_paths)
     paths: list[str] = []
     for item in items:
-        p = os.fspath(item)
+        p = local_path(os.fspath(item))
         if os.path.isdir(p):
             found = sorted(glob.glob(os.path.join(glob.escape(p), "shard-*.jinx")))
             if not found:
@@ -119,7 +119,8 @@ class JinxDataset(ShardDataset):
         ensure_open_files(2 * len(self._all_paths), "JinxDataset")  # a map per shard and per sidecar
         shards = [JinxShard(p) for p in self._all_paths]
         items = [path_or_paths] if isinstance(path_or_paths, (str, os.PathLike)) else list(path_or_paths)
-        for folder in {os.path.abspath(os.fspath(p)) for p in items if os.path.isdir(os.fspath(p))}:
+        folders = {os.path.abspath(local_path(os.fspath(p))) for p in items}
+        for folder in {f for f in folders if os.path.isdir(f)}:
             mine = [s for s in shards if os.path.dirname(os.path.abspath(s.path)) == folder]
             nexts = {os.path.basename(s.path): n for s in mine if (n := next_name(s.footer)) is not None}
             check_chain(folder, [os.path.basename(s.path) for s in mine], nexts)

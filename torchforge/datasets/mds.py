@@ -23,7 +23,7 @@ from torchforge.datasets.base import ShardDataset, register_format
 from torchforge.errors import CodecError, CorruptShardError, FormatError
 from torchforge.formats.mds import INDEX_BASENAME, get_hash, hash_names
 from torchforge.formats.mds_reader import MDSShard, ShardMeta, read_index
-from torchforge.remote.url import is_remote
+from torchforge.remote.url import is_remote, local_path
 
 __all__ = ["MDSDataset"]
 
@@ -73,7 +73,7 @@ class MDSDataset(ShardDataset):
     def __init__(self, path: str | os.PathLike, split: str | None = None, *, columns: list[str] | None = None,
                  lazy: bool = False, allow_unsafe_types: bool = False, cache_dir: str | None = None,
                  zero_copy: bool = True) -> None:
-        folder = os.fspath(path)
+        folder = local_path(os.fspath(path))
         if os.path.basename(folder) == INDEX_BASENAME and os.path.isfile(folder):
             folder = os.path.dirname(folder)
         self.folder = os.path.join(folder, split) if split else folder

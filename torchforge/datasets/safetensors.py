@@ -39,7 +39,7 @@ from torchforge.formats.safetensors import (
     read_header,
     save_safetensors,
 )
-from torchforge.remote.url import is_remote
+from torchforge.remote.url import is_remote, local_path
 from torchforge.sizes import parse_size
 
 __all__ = ["SafetensorsDataset", "SafetensorsShardWriter"]
@@ -159,7 +159,7 @@ class SafetensorsDataset(ShardDataset):
         return super().__new__(cls)
 
     def __init__(self, path: str | os.PathLike, *, columns: Iterable[str] | None = None):
-        self.path = os.fspath(path)
+        self.path = local_path(os.fspath(path))
         if not os.path.exists(self.path):
             raise NotFoundError("no such file or folder", path=self.path)
         self._files = _shard_files(self.path)

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["DEFAULT_RETRIES", "REMOTE_SCHEMES", "SCHEMES", "StoreSpec", "is_remote", "split_url", "store_spec"]
+__all__ = ["DEFAULT_RETRIES", "REMOTE_SCHEMES", "SCHEMES", "StoreSpec", "is_remote", "local_path", "split_url",
+           "store_spec"]
 
 DEFAULT_RETRIES = 6  # retries of a transient failure when storage_options set no budget
 
@@ -55,6 +56,14 @@ def is_remote(path: Any) -> bool:
     (True, False, False)
     """
     return _scheme(path) in REMOTE_SCHEMES
+
+
+def local_path(path: Any) -> Any:
+    """The local path a ``file://`` URL names (``file:///abs``, ``file://localhost/abs``, any case of the
+    scheme, percent-escapes decoded); anything else is returned as it is."""
+    if _scheme(path) != "file":
+        return path
+    return "/" + split_url(path)[2]
 
 
 @dataclass(frozen=True)
@@ -92,10 +101,13 @@ def split_url(url: str) -> tuple[str, str, str]:
         if not parts.netloc:
             raise ValueError(f"{url!r} has no host")
         return scheme, f"{scheme}://{parts.netloc}", unquote(parts.path).lstrip("/")
-    key = unquote(parts.path).lstrip("/")
-    if not parts.netloc or not key:
+    # an object store key is taken as it is written, as the cloud CLIs take it: '#', '?' and '%' are
+    # characters of the key (no fragment, no query, no percent-decoding)
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    key = key.lstrip("/")
+    if not bucket or not key:
         raise ValueError(f"{url!r} must name a bucket and an object: {scheme}://bucket/path/to/object")
-    return scheme, parts.netloc, key
+    return scheme, bucket, key
 
 
 def _s3_env() -> dict[str, Any]:

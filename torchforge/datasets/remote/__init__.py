@@ -74,6 +74,8 @@ def open_remote(url: str, **kwargs: Any) -> Any:
     column shards (``*.safetensors``). A URL naming one ``.jinx`` or ``.safetensors`` object opens that
     shard alone, as a local file does."""
     split = kwargs.get("split")
+    if not url.split("://", 1)[1].strip("/"):
+        raise ValueError(f"{url!r} names no bucket or host: {url.split('://', 1)[0]}://bucket/path/to/dataset")
     folder = url.rstrip("/") + (f"/{split.strip('/')}" if split else "")
     client = connect(None if kwargs.get("cache_dir") is None else os.path.abspath(os.fspath(kwargs["cache_dir"])))
     try:
