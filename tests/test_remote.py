@@ -2373,3 +2373,49 @@ def test_beladys_rule_refetches_less_than_lru_on_the_same_order(env, tmp_path, w
     # here: Belady 64-66, LRU 70-72, also under load (with the horizon of 8 shards and no shards behind
     # named: Belady 67-68)
     assert fetched["belady"] < fetched["lru"], fetched
+
+
+@pytest.fixture
+def black_hole():
+    """An endpoint that takes connections and never answers (a wedged proxy, a firewall that accepts)."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        ls.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(ls.accept()[0])
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{ls.getsockname()[1]}", held
+    stop.set()
+    t.join()
+    for c in held:
+        c.close()
+    ls.close()
+
+
+def test_an_endpoint_that_never_answers_is_an_error_after_a_few_timeouts_not_the_whole_budget(
+        black_hole, tmp_path, aws_env):
+    """Each attempt runs into the request timeout: after 3 attempts it is an error saying so (it took 7
+    attempts of 120 s); with retry_timeout the job waits out the outage as long as it asked."""
+    import torchforge
+
+    url, held = black_hole
+    fast = {"endpoint": url, "client_options": {"timeout": "1s"}}
+    t = time.monotonic()
+    with pytest.raises(RemoteError, match="no reply within the request timeout") as e:
+        torchforge.open_dataset(f"s3://{BUCKET}/hole", cache_dir=tmp_path / "c", storage_options=fast)
+    assert time.monotonic() - t < 15 and len(held) == 3 and f"s3://{BUCKET}/hole" in str(e.value)
+    t = time.monotonic()
+    with pytest.raises(RemoteError):
+        torchforge.open_dataset(f"s3://{BUCKET}/hole", cache_dir=tmp_path / "c",
+                                storage_options={**fast, "retry_timeout": 6})
+    assert time.monotonic() - t >= 5 and len(held) > 3 + 3  # it went on for the time it was given

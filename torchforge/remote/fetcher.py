@@ -138,6 +138,11 @@ def _past_end(url: str, start: int, end: int, size: int) -> RemoteCorruptError:
                               "there (an index, a footer) is wrong, or the object was cut short", url=url, offset=size)
 
 
+QUICK_TIMEOUT = 15.0  # seconds: requests that move no data (HEAD, LIST, DELETE)
+DATA_TIMEOUT = 120.0  # seconds: requests that move data (GET of a part, PUT of a part)
+TIMED_OUT_RETRIES = 2  # retries of attempts that ran into the request timeout (without retry_timeout)
+
+
 def _backoff(attempt: int) -> float:
     return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** min(attempt, 30)))
 
@@ -168,15 +173,27 @@ class _Budget:
         return f"{self.used} retries in {time.monotonic() - self.start:.1f} s"
 
 
-def _retrying(url: str, fn: Callable[[], Any], spec: StoreSpec) -> Any:
+def _retrying(url: str, fn: Callable[[], Any], spec: StoreSpec, quick: bool = False) -> Any:
+    """``fn()``, its transient failures retried within ``spec``'s budget. Attempts that ran into the request
+    timeout (an endpoint that takes connections and never answers: a wedged proxy, a firewall) are retried
+    at most :data:`TIMED_OUT_RETRIES` times unless ``retry_timeout`` asks to wait out an outage: the error
+    comes in about a minute, not after the whole budget of timeouts (7 x 120 s)."""
     budget = _Budget(spec)
+    limit, timed_out = 0.9 * _timeouts(spec, quick), 0
     while True:
+        t = time.monotonic()
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - classified below
             err = _classify(e, url)
             if not isinstance(err, _Transient):
                 raise err from None
+            if time.monotonic() - t >= limit:
+                timed_out += 1
+                if timed_out > TIMED_OUT_RETRIES and spec.retry_timeout is None:
+                    raise RemoteError(f"no reply within the request timeout ({limit / 0.9:g} s) in "
+                                      f"{timed_out} attempts: is the endpoint right and answering? ({err})",
+                                      url=url) from None
             pause = budget.pause()
             if pause is None:
                 raise RemoteError(f"failed after {budget.spent()}: {err}", url=url) from None
@@ -266,18 +283,21 @@ def _hasher(name: str) -> Any | None:
 class _Server:
     def __init__(self, cache_dir: str) -> None:
         self.cache_dir = cache_dir
-        self.stores: dict[StoreSpec, Any] = {}
+        self.stores: dict[tuple[StoreSpec, bool], Any] = {}
         self.lock = threading.Lock()
         self.clients = 0
         self.last_seen = time.monotonic()
         self.parts = PartScheduler(self._fetch_part)
         self.cache = ObjectCache(cache_dir)  # lookups (a fill makes its own, with the request's limit)
 
-    def store(self, spec: StoreSpec) -> Any:
+    def store(self, spec: StoreSpec, quick: bool = False) -> Any:
+        """The store of ``spec``; ``quick``: the one for requests with no body to move (HEAD, LIST,
+        DELETE), whose replies come at once or not at all (see :func:`_timeouts`)."""
+        key = (spec, quick)
         with self.lock:
-            if spec not in self.stores:
-                self.stores[spec] = _open_store(spec)
-            return self.stores[spec]
+            if key not in self.stores:
+                self.stores[key] = _open_store(spec, quick)
+            return self.stores[key]
 
     def handle(self, req: Any) -> Any:
         method = _HANDLERS.get(type(req))
@@ -288,7 +308,7 @@ class _Server:
     def head(self, req: HeadRequest) -> ObjectInfo:
         import obstore
 
-        meta = _retrying(req.url, lambda: obstore.head(self.store(req.store), req.key), req.store)
+        meta = _retrying(req.url, lambda: obstore.head(self.store(req.store, True), req.key), req.store, quick=True)
         return ObjectInfo(int(meta["size"]), _validator(meta))
 
     def ranges(self, req: RangesRequest) -> list[bytes]:
@@ -502,9 +522,9 @@ class _Server:
     def list(self, req: ListRequest) -> list[tuple[str, int, str | None]]:
         import obstore
 
-        store = self.store(req.store)
+        store = self.store(req.store, True)
         prefix = req.prefix.strip("/") or None
-        metas = _retrying(req.url, lambda: obstore.list(store, prefix=prefix).collect(), req.store)
+        metas = _retrying(req.url, lambda: obstore.list(store, prefix=prefix).collect(), req.store, quick=True)
         return sorted((str(m["path"]), int(m["size"]), _validator(m)) for m in metas)
 
     def delete(self, req: DeleteRequest) -> None:
@@ -512,11 +532,11 @@ class _Server:
 
         if req.store.kind in ("http", "https"):
             raise RemoteReadOnlyError(f"{req.store.kind}:// URLs are read-only", url=req.url)
-        store = self.store(req.store)
+        store = self.store(req.store, True)
         if not req.keys:
             return
         try:
-            _retrying(req.url, lambda: obstore.delete(store, list(req.keys)), req.store)
+            _retrying(req.url, lambda: obstore.delete(store, list(req.keys)), req.store, quick=True)
         except RemoteNotFoundError:  # a store without bulk delete stops at the first missing key
             for key in req.keys:
                 try:
@@ -530,11 +550,27 @@ _HANDLERS = {HeadRequest: "head", RangesRequest: "ranges", FetchRequest: "fetch"
              PutRequest: "put", ListRequest: "list", DeleteRequest: "delete"}
 
 
-def _open_store(spec: StoreSpec) -> Any:
+def _timeouts(spec: StoreSpec, quick: bool) -> float:
+    """The request timeout (seconds) of ``spec``'s store: ``client_options["timeout"]`` when given, else
+    120 s for requests that move data (a 16 MiB part over a slow, shared link) and 15 s for those that
+    move none (HEAD, LIST, DELETE: an endpoint that has not answered one in 15 s is not answering)."""
+    given = dict(spec.client).get("timeout")
+    if given is None:
+        return QUICK_TIMEOUT if quick else DATA_TIMEOUT
+    if isinstance(given, (int, float)):
+        return float(given)
+    m = re.fullmatch(r"\s*([\d.]+)\s*(ms|s|sec|seconds?|m|min|minutes?)?\s*", str(given))
+    if not m:
+        return DATA_TIMEOUT  # a form obstore reads and this does not: no cap on timed-out attempts
+    n = float(m.group(1))
+    return n / 1000 if m.group(2) == "ms" else n * 60 if (m.group(2) or "s").startswith("m") else n
+
+
+def _open_store(spec: StoreSpec, quick: bool = False) -> Any:
     from obstore.store import AzureStore, GCSStore, HTTPStore, LocalStore, S3Store
 
     config = dict(spec.config)
-    client = {"connect_timeout": "5s", "timeout": "120s", **dict(spec.client)}
+    client = {"connect_timeout": "5s", "timeout": f"{_timeouts(spec, quick):g}s", **dict(spec.client)}
     retry = {"max_retries": 0}  # retries are ours: counted, jittered and re-verified
     if spec.kind == "s3":
         return S3Store(spec.root, config=config, client_options=client, retry_config=retry)

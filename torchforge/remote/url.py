@@ -12,7 +12,10 @@ Nothing here imports obstore: the caller's process must never start obstore's ru
 budget of transient failures (5xx, 429, timeouts, resets, truncated bodies), ``max_retries`` (default 6:
 about 3 s of backoff in all) and ``retry_timeout`` (seconds: go on retrying until that long has passed
 since the first attempt, as many times as it takes unless ``max_retries`` is also given), for a job that
-should wait out an outage of the store rather than stop; any other key is passed to obstore's store config
+should wait out an outage of the store rather than stop. A request times out after 15 s when it moves no
+data (HEAD, LIST, DELETE) and after 120 s when it does (``client_options["timeout"]`` sets both), and
+attempts that time out are retried twice at most unless ``retry_timeout`` is given: an endpoint that takes
+connections and never answers is an error within a minute; any other key is passed to obstore's store config
 as it is (``role_arn``, ``account_name``, ``service_account_path``, ...).
 
 For S3 the standard environment variables are read in the caller's process, when the URL is resolved,
