@@ -2419,3 +2419,19 @@ def test_an_endpoint_that_never_answers_is_an_error_after_a_few_timeouts_not_the
         torchforge.open_dataset(f"s3://{BUCKET}/hole", cache_dir=tmp_path / "c",
                                 storage_options={**fast, "retry_timeout": 6})
     assert time.monotonic() - t >= 5 and len(held) > 3 + 3  # it went on for the time it was given
+
+
+def test_options_that_cannot_work_are_named_at_once(env, tmp_path):
+    import torchforge
+
+    _client, proxy, put = env
+    _upload_mds(tmp_path, put, "opts", n=8)
+    url = f"s3://{BUCKET}/opts"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        torchforge.open_dataset(url, cache_dir=afile, storage_options=_via(proxy))
+    with pytest.raises(ValueError, match="must be a URL starting with http"):
+        torchforge.open_dataset(url, cache_dir=tmp_path / "c", storage_options={"endpoint": "127.0.0.1:9"})
+    ds = torchforge.open_dataset(url + "/index.json", cache_dir=tmp_path / "c", storage_options=_via(proxy))
+    assert len(ds) == 8  # a URL naming the index opens its dataset, as a local path does

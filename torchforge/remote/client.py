@@ -299,6 +299,9 @@ _clients_lock = threading.Lock()
 def connect(cache_dir: str | os.PathLike | None = None) -> FetcherClient:
     """This process's client of the fetcher for ``cache_dir`` (default: the per-user cache folder)."""
     path = user_cache_dir() if cache_dir is None else os.path.abspath(os.fspath(cache_dir))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"cache_dir={path!r} is a file, not a folder: name a folder (made if missing) for the "
+                         "node-local cache")
     with _clients_lock:
         client = _clients.get(path)
         if client is None:

@@ -155,6 +155,9 @@ def store_spec(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
         client["allow_http"] = True
     if opts.pop("anonymous", False) in (True, "true", "True", "1"):
         config["skip_signature"] = True
+    if "endpoint" in opts and not str(opts["endpoint"]).lower().startswith(("http://", "https://")):
+        raise ValueError(f"storage_options endpoint={opts['endpoint']!r} must be a URL starting with http:// or "
+                         "https:// (e.g. 'http://127.0.0.1:9000')")
     if "endpoint" in opts and str(opts["endpoint"]).startswith("http://"):
         client["allow_http"] = True  # an explicit http:// endpoint says so (a local test server)
     extra = opts.pop("client_options", None)  # obstore's client options (timeouts, proxies), any scheme

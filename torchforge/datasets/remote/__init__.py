@@ -74,6 +74,8 @@ def open_remote(url: str, **kwargs: Any) -> Any:
     column shards (``*.safetensors``). A URL naming one ``.jinx`` or ``.safetensors`` object opens that
     shard alone, as a local file does."""
     split = kwargs.get("split")
+    if url.rstrip("/").endswith(f"/{INDEX_BASENAME}"):  # the index itself names its dataset, as locally
+        url = url.rstrip("/")[: -len(INDEX_BASENAME) - 1]
     if not url.split("://", 1)[1].strip("/"):
         raise ValueError(f"{url!r} names no bucket or host: {url.split('://', 1)[0]}://bucket/path/to/dataset")
     folder = url.rstrip("/") + (f"/{split.strip('/')}" if split else "")
