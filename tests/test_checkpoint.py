@@ -1266,3 +1266,26 @@ def test_an_optimizer_that_has_not_stepped_yet_is_saved_whole_and_restores(tmp_p
         torch.manual_seed(7)  # (dropout)
         _train(model, optim, range(2))
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))
+
+
+def test_a_restore_that_fails_leaves_the_model_and_optimizer_as_they_were(tmp_path):
+    """Every part of the step is read and decoded before anything is copied: a damaged extra (or loader
+    state) is an error with the model and optimizer untouched, not half restored."""
+    m, opt = _fresh()
+    torch.manual_seed(7)
+    _train(m, opt, range(2))
+    ck = Checkpointer(tmp_path)
+    ck.save(1, model=m, optimizer=opt, extra={"limit": float("inf")})
+    folder = tmp_path / "step-00000001"
+    doc = json.loads((folder / "state.json").read_text())
+    doc["extra"] = {"limit": {"__float__": "inx"}}  # a broken tagged value, digests made to match
+    _rewrite_digested(folder, "state.json", json.dumps(doc).encode())
+    m2, opt2 = _fresh(1)
+    torch.manual_seed(7)
+    _train(m2, opt2, range(1))
+    before_m = {k: v.clone() for k, v in m2.state_dict().items()}
+    before_o = json.dumps(opt2.state_dict()["param_groups"])
+    with pytest.raises(CheckpointError, match="cannot decode"):
+        ck.restore(1, model=m2, optimizer=opt2)
+    assert all(torch.equal(before_m[k], v) for k, v in m2.state_dict().items())
+    assert json.dumps(opt2.state_dict()["param_groups"]) == before_o

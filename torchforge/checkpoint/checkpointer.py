@@ -23,6 +23,7 @@ from torchforge.checkpoint.export import export_model
 from torchforge.checkpoint.staging import Arena
 from torchforge.checkpoint.state import (
     TensorTable,
+    alias_problem,
     decode,
     encode,
     model_table,
@@ -541,11 +542,14 @@ class Checkpointer:
         state = self._state(folder, step)
         where = os.path.join(folder, STATE)
         try:
+            # everything is read and decoded first: a damaged part is an error before any object changed
             if model is not None:
                 if "model" not in state:
                     raise CheckpointError(f"step {step} holds no model state", path=where)
-                names, get = self._group(folder, "model", files)
-                restore_model(model, get, names, state["model"]["aliases"], folder)
+                names, get_model = self._group(folder, "model", files)
+                problem = alias_problem(names, state["model"]["aliases"])
+                if problem:
+                    raise CheckpointError(f"{STATE} is damaged: model {problem}", path=where)
             if optimizer is not None:
                 if "optimizer" not in state:
                     raise CheckpointError(f"step {step} holds no optimizer state", path=where)
@@ -555,13 +559,19 @@ class Checkpointer:
                         and all(isinstance(e, dict) for e in saved["state"].values())):
                     raise CheckpointError(f"{STATE} is damaged: the optimizer state is not a dict of dicts",
                                           path=where)
-                restore_optimizer(optimizer, saved, folder)
             tensor = self._extra_tensors(folder, files, map_location)
             if loader is not None:
                 if state.get("loader") is None:
                     raise CheckpointError(f"step {step} holds no DataLoader state (save with loader=)", path=where)
-                loader.load_state_dict(_decode(state["loader"], tensor, where))
-            return _decode(state["extra"], tensor, where)
+                loader_state = _decode(state["loader"], tensor, where)
+            extra = _decode(state["extra"], tensor, where)
+            if model is not None:
+                restore_model(model, get_model, names, state["model"]["aliases"], folder)
+            if optimizer is not None:
+                restore_optimizer(optimizer, saved, folder)
+            if loader is not None:
+                loader.load_state_dict(loader_state)
+            return extra
         except TorchforgeError as e:
             if isinstance(e, CheckpointError):
                 raise
