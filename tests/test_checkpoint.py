@@ -339,6 +339,9 @@ def test_every_dtype_and_shared_views_in_extra(tmp_path):
     for k, v in extra.items():
         if isinstance(v, torch.Tensor):
             assert got[k].dtype == v.dtype and torch.equal(got[k].float(), v.float()), k
+    assert got["a"] is got["b"]  # saved once as one tensor: restored as one, as torch.load does
+    got["a"][0] = -1.0
+    assert got["b"][0] == -1.0
 
 
 def test_parse_size():

@@ -634,7 +634,15 @@ class Checkpointer:
     def _extra_tensors(self, folder: str, files: Any, map_location: Any) -> Any:
         if "extra.safetensors.index.json" in files:
             _, get = self._group(folder, "extra", files)
-            return lambda k: get(k).to(map_location, copy=True)
+            made: dict[str, torch.Tensor] = {}
+
+            def tensor(k: str) -> torch.Tensor:  # one tensor per stored name: names saved as one stay one
+                t = made.get(k)
+                if t is None:
+                    t = made[k] = get(k).to(map_location, copy=True)
+                return t
+
+            return tensor
         return lambda k: _missing(k, folder)
 
     def rank_state(self, step: int | None = None, *, map_location: str | torch.device = "cpu") -> Any:
