@@ -1292,3 +1292,15 @@ def test_a_restore_that_fails_leaves_the_model_and_optimizer_as_they_were(tmp_pa
         ck.restore(1, model=m2, optimizer=opt2)
     assert all(torch.equal(before_m[k], v) for k, v in m2.state_dict().items())
     assert json.dumps(opt2.state_dict()["param_groups"]) == before_o
+
+
+def test_values_whose_dotted_names_coincide_each_keep_their_own_tensor(tmp_path):
+    """{"a.b": x, "a": {"b": y}} and {1: x, "1": y} name two tensors "a.b" and "1": each is kept (the second
+    one overwrote the first)."""
+    extra = {"x": {"a.b": torch.tensor([1.0]), "a": {"b": torch.tensor([2.0])}},
+             "y": {1: torch.tensor([3.0]), "1": torch.tensor([4.0])}}
+    ck = Checkpointer(tmp_path)
+    ck.save(1, extra=extra)
+    got = ck.restore(1)
+    assert got["x"]["a.b"].item() == 1.0 and got["x"]["a"]["b"].item() == 2.0
+    assert got["y"][1].item() == 3.0 and got["y"]["1"].item() == 4.0

@@ -606,3 +606,52 @@ def test_a_step_0_checkpoint_saved_before_any_optimizer_step_verifies_and_restor
     back = {"kind": "ddp", "phase": "restore", "steps": 0, "root": job["root"], "out": str(tmp_path), "name": "r3"}
     assert _spawn(3, back, tmp_path) == [0, 0, 0]
     _same(load_file(tmp_path / "save0.safetensors"), load_file(tmp_path / "r3.safetensors"))
+
+
+def _bn_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
+
+
+def _bn_step(m: torch.nn.Module, opt: torch.optim.Optimizer, s: int, rank: int) -> None:
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * s + rank))
+    opt.zero_grad()
+    m(x).pow(2).mean().backward()
+    opt.step()
+
+
+def _bn_rank(rank: int, world: int, init: str, root: str, phase: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        m = torch.nn.parallel.DistributedDataParallel(_bn_model())
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        if phase == "save":
+            for s in range(2):
+                _bn_step(m, opt, s, rank)
+            Checkpointer(root).save(2, model=m, optimizer=opt)
+            save_file({k: v.clone() for k, v in m.module.state_dict().items()}, f"{root}-rank{rank}.safetensors")
+        else:
+            Checkpointer(root).restore(model=m, optimizer=opt)
+        _bn_step(m, opt, 2, rank)  # one more step: the uninterrupted run's, or the resumed one's
+        if rank == 0:
+            save_file({k: v.clone() for k, v in m.module.state_dict().items()}, f"{root}-{phase}-next.safetensors")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_buffers_that_differ_between_ranks_are_saved_as_rank_0s(tmp_path):
+    """After a step each DDP rank has its own BatchNorm running statistics (DDP broadcasts rank 0's at the
+    next forward): the checkpoint holds rank 0's, whole (it held one rank's running_mean and another's
+    running_var), and training resumed from it goes on as the uninterrupted run."""
+    root = str(tmp_path / "ck")
+    for phase in ("save", "restore"):
+        torch.multiprocessing.spawn(_bn_rank, args=(2, f"file://{tmp_path}/store-{phase}", root, phase), nprocs=2,
+                                    join=True)
+    r0, r1 = load_file(f"{root}-rank0.safetensors"), load_file(f"{root}-rank1.safetensors")
+    assert not torch.equal(r0["1.running_var"], r1["1.running_var"])  # the ranks do differ
+    m = _bn_model()
+    Checkpointer(root).restore(model=m)
+    for k in ("1.running_mean", "1.running_var"):
+        assert torch.equal(m.state_dict()[k], r0[k]), k
+    _same(load_file(f"{root}-save-next.safetensors"), load_file(f"{root}-restore-next.safetensors"))

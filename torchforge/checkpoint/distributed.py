@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from torchforge._proc import host_name, pid_alive
 from torchforge.checkpoint.digest import BlockDigest
-from torchforge.checkpoint.state import TensorTable, decode, encode, torch_dtype
+from torchforge.checkpoint.state import TensorTable, decode, encode, torch_dtype, unique_name
 from torchforge.checkpoint.writer import (
     FilePlan,
     crash_point,
@@ -88,6 +88,7 @@ class _Items(TensorTable):
     """A TensorTable that keeps DTensors as they are (no alias detection across ranks' shards)."""
 
     def add(self, name: str, t: torch.Tensor) -> str:
+        name = unique_name(name, self.tensors)  # (two values of one dotted name each keep theirs)
         self.tensors[name] = t.detach() if t.requires_grad else t  # a DTensor's detach costs a dispatch
         return name
 
@@ -331,6 +332,12 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
     for name, t in extra_items.tensors.items():  # global state: rank 0's, written by rank 0
         items.tensors[name] = t.full_tensor() if _is_dtensor(t) else t
         owner0.add(name)
+    if model is not None:
+        # a buffer (BatchNorm's running statistics) may differ between ranks after a step: rank 0's is saved,
+        # the one DDP broadcasts to every rank at the next forward (written by rank 0, like extra)
+        buffers = {b.data_ptr() for b in model.buffers() if not _is_dtensor(b) and b.numel()}
+        owner0.update(name for name, t in items.tensors.items()
+                      if name.startswith("model.") and not _is_dtensor(t) and t.numel() and t.data_ptr() in buffers)
     folder_name, mine, holds = _plan(ck, items.tensors, owner0, rank, world, step)
     own = _Items()
     own_spec = encode(rank_state, f"rank{rank}", own)

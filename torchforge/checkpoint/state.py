@@ -31,7 +31,10 @@ class TensorTable:
         self._seen: dict[tuple, str] = {}
 
     def add(self, name: str, t: torch.Tensor) -> str:
-        """Record ``t`` under ``name``; returns the name it is stored under (an earlier alias or itself)."""
+        """Record ``t`` under ``name``; returns the name it is stored under (an earlier alias, itself, or
+        ``name~k`` where another value of the state already has that dotted name: ``{"a.b": x, "a": {"b":
+        y}}``)."""
+        name = unique_name(name, self.tensors, self.aliases)
         t = t.detach()
         key = None
         if t.numel():
@@ -48,6 +51,15 @@ class TensorTable:
         """The tensors, with strided CPU ones made contiguous (the zero-copy writer needs C order; other
         devices are copied into the staging arena, which takes any strides)."""
         return {k: v.contiguous() if v.device.type == "cpu" else v for k, v in self.tensors.items()}
+
+
+def unique_name(name: str, *taken: Mapping[str, Any]) -> str:
+    """``name``, or ``name~1``, ``name~2``, ... when it is taken."""
+    out, k = name, 0
+    while any(out in t for t in taken):
+        k += 1
+        out = f"{name}~{k}"
+    return out
 
 
 def encode(obj: Any, path: str, table: TensorTable) -> Any:
