@@ -152,6 +152,26 @@ def test_patched_reader_notices_a_deleted_shard(write_mds, tmp_path):
     assert os.path.exists(shard0)
 
 
+def test_patched_reader_refuses_a_shard_truncated_in_place_while_mapped(write_mds, tmp_path):
+    """A shard rewritten in place (same inode, shorter) after it was mapped: reading past the new end of the
+    map would kill the process (SIGBUS); it is a CorruptShardError naming the file and its new size."""
+    from torchforge.errors import CorruptShardError
+
+    tfs.patch()
+    rows = list(mds_rows(40, 16))
+    src = write_mds(str(tmp_path / "src"), rows, size_limit=1 << 14)
+    ds = _dataset(tmp_path, src)
+    n0 = ds.shards[0].samples
+    assert same(rows[n0], ds[n0]) == ""  # maps shard 1
+    path = os.path.join(ds.streams[0].local, "shard.00001.mds")
+    half = os.path.getsize(path) // 2
+    with open(path, "r+b") as f:
+        f.truncate(half)
+    with pytest.raises(CorruptShardError, match="shrank") as e:
+        ds[n0 + ds.shards[1].samples - 1]
+    assert e.value.path == path and e.value.offset == half and os.path.getsize(path) == half  # not deleted
+
+
 def test_patched_reader_keeps_a_bounded_number_of_shards_mapped(write_mds, tmp_path, monkeypatch):
     """Beyond MAX_OPEN_SHARDS maps (two descriptors each) the least recently opened unused map is
     closed and reopened on its next access: datasets of thousands of shards stay under the fd limit."""

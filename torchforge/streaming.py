@@ -159,8 +159,15 @@ def _build_reader_class() -> type:
             # must raise FileNotFoundError as Streaming's reader does, so that Streaming fetches it again.
             shard = self._shard
             try:
-                if shard is None or not os.fstat(self._fd).st_nlink:
+                st = None if shard is None else os.fstat(self._fd)
+                if st is None or not st.st_nlink:
                     shard = self._open()
+                elif st.st_size < shard.size:  # rewritten in place while mapped: reading on would be SIGBUS
+                    from torchforge.errors import CorruptShardError
+
+                    raise CorruptShardError(f"the shard file shrank to {st.st_size} bytes while it was open (it "
+                                            f"had {shard.size}): rewritten in place?", path=shard.path,
+                                            offset=st.st_size)
                 self._used = True
                 if not 0 <= idx < shard.samples:
                     raise IndexError(f"Relative sample index {idx} is not present in the {self.raw_data.basename} file.")
