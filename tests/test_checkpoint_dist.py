@@ -655,3 +655,31 @@ def test_buffers_that_differ_between_ranks_are_saved_as_rank_0s(tmp_path):
     for k in ("1.running_mean", "1.running_var"):
         assert torch.equal(m.state_dict()[k], r0[k]), k
     _same(load_file(f"{root}-save-next.safetensors"), load_file(f"{root}-restore-next.safetensors"))
+
+
+def _step_rank(rank: int, world: int, init: str, root: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+        for first in (True, False):  # a fresh plan (all_gather), then the kept plan (its all_reduce)
+            ck = Checkpointer(root, timeout=60)
+            if not first:
+                ck.save(1, model=m)
+            t = time.monotonic()
+            try:
+                ck.save(5 + rank, model=m)
+            except CheckpointError as e:
+                assert "ranks save different steps" in str(e) and time.monotonic() - t < 10, e
+            else:
+                raise AssertionError("saved different steps")
+            dist.barrier()
+            assert ck.steps() == ([] if first else [1]) and not [n for n in os.listdir(root) if n.startswith(".")]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_saving_different_steps_all_raise_at_once(tmp_path):
+    """Every rank must save the same step: an off-by-one on one rank is a CheckpointError on every rank at
+    once (each waited the whole timeout for files that never came), and nothing is left behind."""
+    torch.multiprocessing.spawn(_step_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path / "ck")), nprocs=2,
+                                join=True)

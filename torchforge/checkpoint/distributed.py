@@ -206,6 +206,14 @@ def _collective(what: str, fn: Callable[[], Any], where: str) -> Any:
                               path=where) from e
 
 
+def _same_step(flag: torch.Tensor, step: int, root: str) -> None:
+    """After the plan's all_reduce (MAX of [changed, step, -step]): every rank saves ``step``."""
+    hi, lo = int(flag[1]), -int(flag[2])
+    if hi != step or lo != step:
+        raise CheckpointError(f"ranks save different steps (from {lo} to {hi}; this rank: {step}): every rank "
+                              "must call save() with the same step", path=root)
+
+
 def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, world: int, step: int
           ) -> tuple[str, list[tuple[str, torch.Tensor, list[int], list[int]]], Callable[[], bool] | None]:
     """This rank's writes: (name, tensor to write, global offsets, sizes), the temporary folder, and
@@ -237,14 +245,17 @@ def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, 
     signature = [world, rank, shape_of]  # compared as it is: exact, and cheaper than hashing its JSON
     cached = ck._dist_plan
     if cached is not None and cached["world"] == world:
-        flag = torch.tensor([0 if cached["signature"] == signature else 1], dtype=torch.int64)
-        if int(flag) == 0:  # the cached plan, checked by every rank while the state is copied
+        # [plan changed, step, -step], each rank's maximum: a plan that changes anywhere changes for every
+        # rank, and ranks saving different steps find out at once (they would wait for each other's files)
+        flag = torch.tensor([0 if cached["signature"] == signature else 1, step, -step], dtype=torch.int64)
+        if int(flag[0]) == 0:  # the cached plan, checked by every rank while the state is copied
             work = _collective("checking the save plan (all_reduce)",
                                lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), ck.root)
 
             def holds() -> bool:
                 _collective("checking the save plan (all_reduce)", work.wait, ck.root)
-                return int(flag) == 0
+                _same_step(flag, step, ck.root)
+                return int(flag[0]) == 0
 
             cached["count"] += 1
             folder = tmp_name(step, pid=cached["pid"], host=cached["host"], nonce=f"{cached['token']}{cached['count']:x}")
@@ -254,11 +265,15 @@ def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, 
             return folder, mine, holds
         _collective("checking the save plan (all_reduce)", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX),
                     ck.root)
+        _same_step(flag, step, ck.root)
     rep_info = [(name, list(t.shape), t.element_size()) for name, t in replicated]
     gathered: list[Any] = [None] * world
-    proposal = (host_name(), os.getpid(), uuid.uuid4().hex[:8], sharded_bytes, rep_info)
+    proposal = (host_name(), os.getpid(), uuid.uuid4().hex[:8], sharded_bytes, rep_info, step)
     _collective("planning the save (all_gather_object)", lambda: dist.all_gather_object(gathered, proposal), ck.root)
     host0, pid0, token = gathered[0][:3]
+    if len({g[5] for g in gathered}) > 1:
+        raise CheckpointError(f"ranks save different steps: {sorted({g[5] for g in gathered})} (rank {rank}: {step}); "
+                              "every rank must call save() with the same step", path=ck.root)
     if any(g[4] != rep_info for g in gathered):
         raise CheckpointError("ranks disagree on the replicated (non-DTensor) state: every rank must save the "
                               "same model and optimizer structure", path=ck.root)
