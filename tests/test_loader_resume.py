@@ -183,7 +183,14 @@ def test_a_version_1_state_still_resumes_its_pass():
     state.pop("pass")
     resumed = make()
     resumed.load_state_dict(state)
-    assert got + [b.tolist() for b in resumed] == want
+    it = iter(resumed)
+    more = [next(it).tolist() for _ in range(2)]
+    again = json.loads(json.dumps(resumed.state_dict()))  # saved again, as version 2, mid-way
+    del it
+    assert again["version"] == 2
+    third = make()
+    third.load_state_dict(again)
+    assert got + more + [b.tolist() for b in third] == want
     with pytest.raises(ValueError, match="version 3"):
         make().load_state_dict({**state, "version": 3})
 

@@ -126,7 +126,7 @@ class _Iter(_BaseDataLoaderIter):
                 self._pass_no = int(resume.get("pass", 0))
             if replay and not legacy:
                 set_rng(gens, resume["rng"])
-            self._pos.rng0 = dict(resume["rng"]) if replay else get_rng(gens)
+            self._pos.rng0 = get_rng(gens)  # (a version 1 state's, past its base seed draw: saved as version 2)
             self._pos.pass_no = self._pass_no
             self._primed = _NOTHING
             self._primed = self._pull_index()  # the sampler's first draws happen here, in every run
