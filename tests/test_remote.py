@@ -2435,3 +2435,6 @@ def test_options_that_cannot_work_are_named_at_once(env, tmp_path):
         torchforge.open_dataset(url, cache_dir=tmp_path / "c", storage_options={"endpoint": "127.0.0.1:9"})
     ds = torchforge.open_dataset(url + "/index.json", cache_dir=tmp_path / "c", storage_options=_via(proxy))
     assert len(ds) == 8  # a URL naming the index opens its dataset, as a local path does
+    with pytest.raises(RemoteNotFoundError, match="no such bucket") as e:  # not "no dataset here"
+        torchforge.open_dataset("s3://no-such-bucket-here/ds", cache_dir=tmp_path / "c", storage_options=_via(proxy))
+    assert "s3://no-such-bucket-here/ds" in str(e.value)

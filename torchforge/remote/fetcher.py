@@ -110,7 +110,10 @@ def _classify(e: BaseException, url: str) -> BaseException:
         status = int(m.group(1) or m.group(2)) if m else None
         if any(code in low for code in _RETRY_CODES):  # S3's 400 RequestTimeout, 503 SlowDown, ...
             return _Transient(_short(e))
-        if status == 404 or "nosuchkey" in low or "nosuchbucket" in low:
+        if "nosuchbucket" in low or "containernotfound" in low or "bucket does not exist" in low:
+            return RemoteNotFoundError(f"no such bucket or container: check the URL's bucket and the endpoint "
+                                       f"({_short(e)})", url=url)
+        if status == 404 or "nosuchkey" in low:
             return RemoteNotFoundError(f"no such object ({_short(e)})", url=url)
         if status in (401, 403) or any(code in low for code in _DENIED):
             return RemoteAccessError(f"access denied: check the credentials (storage_options or AWS_*/"

@@ -99,7 +99,9 @@ def open_remote(url: str, **kwargs: Any) -> Any:
             continue
         try:
             return cls(url, **kwargs)
-        except RemoteNotFoundError:  # nothing listed (or, over http, no shard-00000 of that format)
+        except RemoteNotFoundError as e:  # nothing listed (or, over http, no shard-00000 of that format)
+            if "no such bucket" in str(e):
+                raise
             continue
         except (CorruptShardError, SafetensorsError):
             raise
