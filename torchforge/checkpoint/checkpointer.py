@@ -23,7 +23,6 @@ from torchforge.checkpoint.export import export_model
 from torchforge.checkpoint.staging import Arena
 from torchforge.checkpoint.state import (
     TensorTable,
-    alias_problem,
     decode,
     encode,
     model_table,
@@ -77,14 +76,32 @@ class Checkpointer:
     def __init__(self, root: str | os.PathLike, keep_last: int | None = 3, max_shard_size: int | str = "2GB",
                  *, threads: int | None = None, direct_io: bool = True, recycle: bool = True,
                  timeout: float = 600.0):
+        self._setup(root, keep_last, max_shard_size, threads, direct_io, recycle, timeout, read_only=False)
+        os.makedirs(self.root, exist_ok=True)
+        self._clean_leftovers()
+
+    @classmethod
+    def reader(cls, root: str | os.PathLike) -> Checkpointer:
+        """A Checkpointer that lists, inspects and verifies the steps under ``root`` and restores them, for
+        tools that must change nothing (``torchforge inspect|verify``): unlike the constructor it creates no
+        folder and cleans no leftovers of dead writers. It cannot save."""
+        self = cls.__new__(cls)
+        self._setup(root, None, "2GB", None, False, False, 600.0, read_only=True)
+        if not os.path.isdir(self.root):
+            raise CheckpointError("no checkpoint folder here", path=self.root)
+        return self
+
+    def _setup(self, root: str | os.PathLike, keep_last: int | None, max_shard_size: int | str,
+               threads: int | None, direct_io: bool, recycle: bool, timeout: float, *, read_only: bool) -> None:
+        """The attributes of a Checkpointer (the constructor's, and :meth:`reader`'s), touching no file."""
         self.root = os.path.abspath(os.fspath(root))
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 0):
             raise ValueError(f"keep_last={keep_last!r} must be None or an int >= 0")
         self.keep_last = keep_last or None
         self.max_shard_size = parse_size(max_shard_size, option="max_shard_size")
-        os.makedirs(self.root, exist_ok=True)
         self.direct_io = bool(direct_io)
         self.recycle = bool(recycle)
+        self._read_only = read_only
         self._spare_dir: str | None = None  # the hidden folder of a pruned step whose files the next save reuses
         self.timeout = float(timeout)
         self.last_restore: dict[str, int] = {}  # bytes read and needed by the last distributed restore
@@ -100,28 +117,6 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        self._clean_leftovers()
-
-    @classmethod
-    def reader(cls, root: str | os.PathLike) -> Checkpointer:
-        """A Checkpointer that lists, inspects and verifies the steps under ``root`` and restores them, for
-        tools that must change nothing (``torchforge inspect|verify``): unlike the constructor it creates no
-        folder and cleans no leftovers of dead writers. It cannot save."""
-        root = os.path.abspath(os.fspath(root))
-        if not os.path.isdir(root):
-            raise CheckpointError("no checkpoint folder here", path=root)
-        self = cls.__new__(cls)
-        self.root, self.keep_last, self.max_shard_size = root, None, 0
-        self.direct_io = self.recycle = False
-        self._spare_dir, self.timeout, self.last_restore = None, 600.0, {}
-        self._pool = ThreadPoolExecutor(4, thread_name_prefix="torchforge-ckpt")
-        self._flusher = None
-        self._arena = Arena()
-        self._sd_info = self._dist_plan = None
-        self._rank_files_cache = {}
-        self._thread, self._error, self._lock = None, None, threading.Lock()
-        self._read_only = True
-        return self
 
     # --- listing -------------------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -202,7 +197,7 @@ class Checkpointer:
                 (the folder's fsync, the export, pruning older steps) the error has ``installed=True``
                 and says so: the step is listed and restores.
         """
-        if getattr(self, "_read_only", False):
+        if self._read_only:
             raise CheckpointError("this Checkpointer was opened with Checkpointer.reader(): it cannot save",
                                   path=self.root)
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -547,9 +542,6 @@ class Checkpointer:
                 if "model" not in state:
                     raise CheckpointError(f"step {step} holds no model state", path=where)
                 names, get_model = self._group(folder, "model", files)
-                problem = alias_problem(names, state["model"]["aliases"])
-                if problem:
-                    raise CheckpointError(f"{STATE} is damaged: model {problem}", path=where)
             if optimizer is not None:
                 if "optimizer" not in state:
                     raise CheckpointError(f"step {step} holds no optimizer state", path=where)
@@ -565,7 +557,7 @@ class Checkpointer:
                     raise CheckpointError(f"step {step} holds no DataLoader state (save with loader=)", path=where)
                 loader_state = _decode(state["loader"], tensor, where)
             extra = _decode(state["extra"], tensor, where)
-            if model is not None:
+            if model is not None:  # (the first copy: it checks the aliases and keys before copying anything)
                 restore_model(model, get_model, names, state["model"]["aliases"], folder)
             if optimizer is not None:
                 restore_optimizer(optimizer, saved, folder)
@@ -717,8 +709,7 @@ class Checkpointer:
             self._arena = Arena()
             self._sd_info = None  # the distributed save's parameter-name map (it holds the parameters)
             self._pool.shutdown(wait=True)
-            if self._flusher is not None:
-                self._flusher.shutdown(wait=True)
+            self._flusher.shutdown(wait=True)
 
     def __enter__(self) -> Self:
         return self

@@ -26,9 +26,11 @@ log = logging.getLogger(__name__)
 _ON_ERROR = ("raise", "skip")
 
 
-def _shard_paths(path_or_paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+def _shard_paths(path_or_paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[list[str], list[list[str]]]:
+    """The shard files named (folders expanded), and the shard files of each folder named."""
     items = [path_or_paths] if isinstance(path_or_paths, (str, os.PathLike)) else list(path_or_paths)
     paths: list[str] = []
+    folders: list[list[str]] = []
     for item in items:
         p = local_path(os.fspath(item))
         if os.path.isdir(p):
@@ -36,13 +38,14 @@ def _shard_paths(path_or_paths: str | os.PathLike | Sequence[str | os.PathLike])
             if not found:
                 raise FormatError("folder holds no shard-*.jinx files", path=p)
             paths.extend(found)
+            folders.append(found)
         elif os.path.exists(p):
             paths.append(p)
         else:
             raise NotFoundError("no such JINX file or folder", path=p)
     if not paths:
         raise FormatError("no JINX files or folders given")
-    return paths
+    return paths, folders
 
 
 def check_chain(where: str, names: list[str], nexts: dict[str, str]) -> None:
@@ -115,15 +118,14 @@ class JinxDataset(ShardDataset):
         self.split = split
         self.on_error = on_error
         self.skipped = 0
-        self._all_paths = _shard_paths(path_or_paths)  # never empty: _shard_paths raises first
+        self._all_paths, folders = _shard_paths(path_or_paths)  # never empty: _shard_paths raises first
         ensure_open_files(2 * len(self._all_paths), "JinxDataset")  # a map per shard and per sidecar
         shards = [JinxShard(p) for p in self._all_paths]
-        items = [path_or_paths] if isinstance(path_or_paths, (str, os.PathLike)) else list(path_or_paths)
-        folders = {os.path.abspath(local_path(os.fspath(p))) for p in items}
-        for folder in {f for f in folders if os.path.isdir(f)}:
-            mine = [s for s in shards if os.path.dirname(os.path.abspath(s.path)) == folder]
-            nexts = {os.path.basename(s.path): n for s in mine if (n := next_name(s.footer)) is not None}
-            check_chain(folder, [os.path.basename(s.path) for s in mine], nexts)
+        opened = dict(zip(self._all_paths, shards))
+        for found in folders:  # each folder named is a whole chain of shards
+            names = [os.path.basename(p) for p in found]
+            nexts = {n: nxt for n, p in zip(names, found) if (nxt := next_name(opened[p].footer)) is not None}
+            check_chain(os.path.dirname(found[0]), names, nexts)
         self._set_shards([s for s in shards if self._wanted(s)])
         self._paths = [s.path for s in self._shards]
         self._counts = [s.num_samples for s in self._shards]

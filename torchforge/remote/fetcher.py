@@ -564,7 +564,7 @@ def _timeouts(spec: StoreSpec, quick: bool) -> float:
         return float(given)
     m = re.fullmatch(r"\s*([\d.]+)\s*(ms|s|sec|seconds?|m|min|minutes?)?\s*", str(given))
     if not m:
-        return DATA_TIMEOUT  # a form obstore reads and this does not: no cap on timed-out attempts
+        return DATA_TIMEOUT  # a form obstore reads and this does not: attempts count as timed out from 108 s
     n = float(m.group(1))
     return n / 1000 if m.group(2) == "ms" else n * 60 if (m.group(2) or "s").startswith("m") else n
 

@@ -96,8 +96,8 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             return footer, foot, objs, shard_split, self._ranges_of(objs, footer, foot, client)  # (takes the index)
 
         for name, (footer, foot, objs, shard_split, ranged) in zip(names, self._spread(opened, names, wide=True)):
-            if next_name(footer) is not None:
-                nexts[name] = next_name(footer)
+            if (nxt := next_name(footer)) is not None:
+                nexts[name] = nxt
             if ranged is None:  # another split's shard
                 continue
             kept.append((objs, footer["num_samples"], shard_split))
