@@ -146,11 +146,16 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
+def _slab_bytes(buf: Any) -> np.ndarray:
+    """A buffer pickle handed back (a slab view, or the stream's in-band bytes) as a writable uint8 array."""
+    if isinstance(buf, np.ndarray):
+        return buf
+    return np.frombuffer(buf if isinstance(buf, bytearray) else bytearray(buf), dtype=np.uint8)
+
+
 def _rebuild_view(buf: Any, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
     """A tensor with its strides over its bytes (from its first to its last element) in the slab."""
-    if not isinstance(buf, np.ndarray):
-        buf = np.frombuffer(buf if isinstance(buf, bytearray) else bytearray(buf), dtype=np.uint8)
-    return torch.from_numpy(buf).view(_dtype(dtype)).as_strided(shape, stride, 0)
+    return torch.from_numpy(_slab_bytes(buf)).view(_dtype(dtype)).as_strided(shape, stride, 0)
 
 
 def _view_of(first: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...], offset: int) -> torch.Tensor:
@@ -160,8 +165,7 @@ def _view_of(first: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...
 
 def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     dt = _dtype(dtype)
-    if not isinstance(buf, np.ndarray):
-        buf = np.frombuffer(buf if isinstance(buf, bytearray) else bytearray(buf), dtype=np.uint8)
+    buf = _slab_bytes(buf)
     if buf.size == 0:
         return torch.empty(shape, dtype=dt)
     return torch.from_numpy(buf).view(dt).view(shape)
