@@ -683,3 +683,104 @@ def test_ranks_saving_different_steps_all_raise_at_once(tmp_path):
     once (each waited the whole timeout for files that never came), and nothing is left behind."""
     torch.multiprocessing.spawn(_step_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path / "ck")), nprocs=2,
                                 join=True)
+
+
+def _alone_rank(rank: int, world: int, init: str, root: str, case: str) -> None:
+    """One rank alone fails (before the plan, or while taking its snapshot); every rank must raise at
+    once, and the group stays usable: the next save of every rank commits."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+        ck = Checkpointer(root, timeout=60)
+        for kept in (False, True):  # a fresh plan (all_gather), then the kept plan (its all_reduce)
+            if kept:
+                ck.save(1, model=m)
+            state: dict = {"rank": rank}
+            real_stage = ck._arena.stage
+            if rank == 1 and case == "state":
+                state["bad"] = object()  # this rank's state cannot be stored
+            if rank == 1 and case == "snapshot":
+                def stage(*a, **k):
+                    raise MemoryError("no memory for the snapshot (injected)")
+                ck._arena.stage = stage
+            t = time.monotonic()
+            try:
+                ck.save(5, model=m, rank_state=state, blocking=case != "snapshot")
+                ck.wait()
+            except CheckpointError as e:
+                took = time.monotonic() - t
+                assert took < 15, (took, e)  # at once, not after the 60 s timeout (nor the group's own)
+                if case == "state":
+                    assert "rank 1 could not take its state" in str(e) and "object" in str(e), e
+            except MemoryError:
+                assert rank == 1 and case == "snapshot"
+            else:
+                raise AssertionError(f"rank {rank}: the save of step 5 went through")
+            ck._arena.stage = real_stage
+            dist.barrier()
+            assert 5 not in ck.steps(), ck.steps()
+            ck.save(6 + kept, model=m, rank_state={"rank": rank})  # the group is still in step
+            assert 6 + kept in ck.steps()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["state", "snapshot"])
+def test_one_rank_failing_before_it_writes_makes_every_rank_raise_at_once(tmp_path, case):
+    """A rank whose own state cannot be stored (before the plan's collective) or whose snapshot fails (after
+    it) used to leave the others waiting: in the collective for the group's timeout, or for its files for
+    the Checkpointer's. Now every rank raises CheckpointError at once and the next save works."""
+    torch.multiprocessing.spawn(_alone_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path / "ck"), case),
+                                nprocs=2, join=True)
+
+
+def _after_rank(rank: int, world: int, init: str, root: str, export: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+        ck = Checkpointer(root, keep_last=1, timeout=60)
+        if rank == 0:  # a slow disk: what rank 0 does after the commit takes a while
+            real_export, real_prune = ck._export, ck._prune
+
+            def slow_export(*a, **k):
+                time.sleep(1.0)
+                return real_export(*a, **k)
+
+            def slow_prune(*a, **k):
+                time.sleep(1.0)
+                return real_prune(*a, **k)
+
+            ck._export, ck._prune = slow_export, slow_prune
+        for step in (1, 2):
+            ck.save(step, model=m, export_to=export)
+            # every rank sees the same folder when save() returns: older steps pruned, the export written
+            assert ck.steps() == [step], (rank, ck.steps())
+            assert os.path.exists(os.path.join(export, "model.safetensors.index.json")) or \
+                os.path.exists(os.path.join(export, "model.safetensors")), (rank, os.listdir(export))
+            dist.barrier()
+        if rank == 0:
+            ck._export = real_export
+        blocked = os.path.join(os.path.dirname(root), "a-file")
+        with open(blocked, "wb"):
+            pass
+        try:  # the export fails on rank 0 (its folder's parent is a file): every rank says so
+            ck.save(3, model=m, export_to=os.path.join(blocked, "hf"))
+        except CheckpointError as e:
+            assert getattr(e, "installed", False) and "export" in str(e), (rank, e)
+        else:
+            raise AssertionError(f"rank {rank}: a failed export went unreported")
+        assert ck.steps() == [3], (rank, ck.steps())  # committed all the same
+        dist.barrier()
+        ck.save(4, model=m)  # the failed export's report is cleaned up by the next save
+        dist.barrier()
+        assert ck.steps() == [4] and not [n for n in os.listdir(root) if n.startswith(".")], os.listdir(root)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_returns_after_rank_0_pruned_and_exported(tmp_path):
+    """save() returned on ranks other than 0 as soon as the step was committed, while rank 0 was still
+    pruning older steps and exporting: right after save(), rank 1 listed a step about to be deleted and
+    found no export, and a failed export was reported by rank 0 only."""
+    torch.multiprocessing.spawn(_after_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path / "ck"),
+                                                   str(tmp_path / "hf")), nprocs=2, join=True)

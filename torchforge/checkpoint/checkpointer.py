@@ -1,6 +1,7 @@
 """The :class:`Checkpointer` (see :mod:`torchforge.checkpoint` for the layout)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -19,6 +20,7 @@ import torch
 
 from torchforge.checkpoint import distributed, writer
 from torchforge.checkpoint.digest import verify_files
+from torchforge.checkpoint.distributed import after_commit
 from torchforge.checkpoint.export import export_model
 from torchforge.checkpoint.staging import Arena
 from torchforge.checkpoint.state import (
@@ -321,8 +323,8 @@ class Checkpointer:
             try:
                 self._export(step, export_to, self.max_shard_size, overwrite=True)
             except (TorchforgeError, OSError) as e:  # the step is committed: prune as after any commit
-                failed = _after_commit(f"step {step} was committed, but its export failed: {e}",
-                                       getattr(e, "path", None) or str(export_to), e)
+                failed = after_commit(f"step {step} was committed, but its export failed: {e}",
+                                      getattr(e, "path", None) or str(export_to), e)
         try:
             self._prune(step, recycle=self.recycle and self.direct_io)
         except CheckpointError as e:
@@ -385,8 +387,8 @@ class Checkpointer:
         try:
             fsync_dir(self.root)
         except OSError as e:
-            raise _after_commit(f"{os.path.basename(final)} is in place, but the checkpoint folder could not be "
-                                f"fsynced ({e}): it may not survive a crash; save it again", self.root, e) from e
+            raise after_commit(f"{os.path.basename(final)} is in place, but the checkpoint folder could not be "
+                               f"fsynced ({e}): it may not survive a crash; save it again", self.root, e) from e
 
     def _prune(self, step: int, recycle: bool = False) -> None:
         """Delete all but the ``keep_last`` most recently committed steps (by commit, not step number: a
@@ -411,8 +413,8 @@ class Checkpointer:
                 self._discard(self.path(s), recycle)
                 recycle = False
         except OSError as e:
-            raise _after_commit(f"step {step} was committed, but pruning the steps before it failed: {e}",
-                                getattr(e, "filename", None) or self.root, e) from e
+            raise after_commit(f"step {step} was committed, but pruning the steps before it failed: {e}",
+                               getattr(e, "filename", None) or self.root, e) from e
 
     def _discard(self, folder: str, recycle: bool = False) -> None:
         """Make a step invisible at once (rename), then delete its files, or with ``recycle`` keep them as
@@ -460,9 +462,13 @@ class Checkpointer:
                 continue
             # .tmp-step-<step>-h<host>-p<pid>-<nonce>: only this host's saves whose process is gone (another
             # node's save in progress on a shared filesystem is never touched)
-            m = re.fullmatch(r"\.tmp-step-\d+-h(\w+)-p(\d+)-[0-9a-f]+", name)
+            m = re.fullmatch(r"\.tmp-step-\d+-h(\w+)-p(\d+)-[0-9a-f]+(\.busy)?", name)
             if name.startswith(".trash-") or (m and m.group(1) == host and not distributed.pid_alive(int(m.group(2)))):
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                if m and m.group(3):  # (a distributed save's marker: a file)
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(self.root, name))
+                else:
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     # --- checking ------------------------------------------------------------------------------------
     def manifest(self, step: int) -> dict[str, Any]:
@@ -770,15 +776,6 @@ def _renameat2() -> Any:
 
 _renameat2_fn = _renameat2()
 _AT_FDCWD = -100
-
-
-def _after_commit(reason: str, path: str, cause: BaseException) -> CheckpointError:
-    """The error of something that failed after a step was committed: ``installed`` is True (the step is
-    listed and restores; the distributed commit lets the other ranks see it)."""
-    err = CheckpointError(reason, path=path)
-    err.installed = True
-    err.__cause__ = cause
-    return err
 
 
 def exchange_paths(a: str, b: str) -> bool:

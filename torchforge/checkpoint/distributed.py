@@ -197,6 +197,15 @@ def _forget_info(ck_ref: Any, _model_ref: Any) -> None:
         ck._sd_info = None
 
 
+def after_commit(reason: str, path: str, cause: BaseException) -> CheckpointError:
+    """The error of something that failed after a step was committed: ``installed`` is True (the step is
+    listed and restores; the distributed commit lets the other ranks see it)."""
+    err = CheckpointError(reason, path=path)
+    err.installed = True
+    err.__cause__ = cause
+    return err
+
+
 # --- saving --------------------------------------------------------------------------------------------
 def _collective(what: str, fn: Callable[[], Any], where: str) -> Any:
     try:
@@ -214,7 +223,8 @@ def _same_step(flag: torch.Tensor, step: int, root: str) -> None:
                               "must call save() with the same step", path=root)
 
 
-def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, world: int, step: int
+def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, world: int, step: int,
+          failure: str | None = None
           ) -> tuple[str, list[tuple[str, torch.Tensor, list[int], list[int]]], Callable[[], bool] | None]:
     """This rank's writes: (name, tensor to write, global offsets, sizes), the temporary folder, and
     ``holds``: None, or a function to call before anything is written that says whether the plan holds.
@@ -225,12 +235,16 @@ def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, 
     from the first plan) and a counter every rank advances alike. Where this rank's state did not
     change, that ``all_reduce`` runs while the caller copies its state (``holds`` waits for it); if
     another rank's did, ``holds()`` is False and the caller plans again (every rank learns the same).
+
+    ``failure``: this rank could not take its state (the message). It still takes part in the plan's
+    collectives, as an unkept plan, so that every rank learns of it there and raises at once, instead
+    of the others waiting in a collective this rank never joins.
     """
-    mine, sharded_bytes, replicated, shape_of = [], 0, [], []
+    mine, sharded_bytes, replicated, shape_of, whole0 = [], 0, [], [], []
     for name, t in items.items():
-        if name in owner0:
+        if name in owner0:  # (a DTensor is made whole once every rank agreed on the plan: a collective)
+            whole0.append((name, t))
             if rank == 0:
-                mine.append((name, t, [0] * t.dim(), list(t.shape)))
                 sharded_bytes += t.numel() * t.element_size()
             shape_of.append((name, "0", list(t.shape), str(t.dtype)))
         elif _replicated_everywhere(t):
@@ -247,7 +261,9 @@ def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, 
     if cached is not None and cached["world"] == world:
         # [plan changed, step, -step], each rank's maximum: a plan that changes anywhere changes for every
         # rank, and ranks saving different steps find out at once (they would wait for each other's files)
-        flag = torch.tensor([0 if cached["signature"] == signature else 1, step, -step], dtype=torch.int64)
+        kept = (failure is None and cached["signature"] == signature
+                and not any(_is_dtensor(t) for _, t in whole0))
+        flag = torch.tensor([0 if kept else 1, step, -step], dtype=torch.int64)
         if int(flag[0]) == 0:  # the cached plan, checked by every rank while the state is copied
             work = _collective("checking the save plan (all_reduce)",
                                lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), ck.root)
@@ -259,17 +275,25 @@ def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, 
 
             cached["count"] += 1
             folder = tmp_name(step, pid=cached["pid"], host=cached["host"], nonce=f"{cached['token']}{cached['count']:x}")
+            if rank == 0:
+                mine += [(name, t, [0] * t.dim(), list(t.shape)) for name, t in whole0]
             full = dict(replicated)
             for name, a, b in cached["pieces"]:
                 mine.append(_piece(name, full[name], a, b))
             return folder, mine, holds
         _collective("checking the save plan (all_reduce)", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX),
                     ck.root)
-        _same_step(flag, step, ck.root)
+        if failure is None:  # (a failed rank's step is what it was called with, but its error comes first)
+            _same_step(flag, step, ck.root)
+    ck._dist_plan = None
     rep_info = [(name, list(t.shape), t.element_size()) for name, t in replicated]
     gathered: list[Any] = [None] * world
-    proposal = (host_name(), os.getpid(), uuid.uuid4().hex[:8], sharded_bytes, rep_info, step)
+    proposal = (host_name(), os.getpid(), uuid.uuid4().hex[:8], sharded_bytes, rep_info, step, failure)
     _collective("planning the save (all_gather_object)", lambda: dist.all_gather_object(gathered, proposal), ck.root)
+    failed = [(r, g[6]) for r, g in enumerate(gathered) if g[6] is not None]
+    if failed:
+        raise CheckpointError("; ".join(f"rank {r} could not take its state: {msg}" for r, msg in failed)
+                              + f"; nothing of step {step} was written", path=ck.root)
     host0, pid0, token = gathered[0][:3]
     if len({g[5] for g in gathered}) > 1:
         raise CheckpointError(f"ranks save different steps: {sorted({g[5] for g in gathered})} (rank {rank}: {step}); "
@@ -291,6 +315,10 @@ def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, 
         else:
             pieces.append((nbytes, name, 0, rows))
     pieces.sort(key=lambda p: (-p[0], p[1], p[2]))
+    for name, t in whole0:  # every rank alike (a DTensor's full_tensor is a collective); rank 0 writes them
+        t = t.full_tensor() if _is_dtensor(t) else t
+        if rank == 0:
+            mine.append((name, t, [0] * t.dim(), list(t.shape)))
     full = dict(replicated)
     own = []
     for nbytes, name, a, b in pieces:
@@ -331,49 +359,65 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
     change as soon as this returns.
     """
     rank, world = rank_and_world()
-    items = _Items()
-    spec: dict[str, Any] = {}
     if optimizer is not None and model is None:
         raise CheckpointError("a distributed save of an optimizer needs its model (optimizer state is keyed "
                               "by parameter name)", path=ck.root)
-    model_state, optim_state = _canonical_state(ck, model, optimizer)
-    if model_state is not None:
-        spec["model"] = encode(model_state, "model", items)
-    if optim_state is not None:
-        spec["optimizer"] = encode(optim_state, "optim", items)
-    extra_items = _Items()
-    spec["extra"] = encode(extra, "extra", extra_items)
-    owner0 = set()
-    for name, t in extra_items.tensors.items():  # global state: rank 0's, written by rank 0
-        items.tensors[name] = t.full_tensor() if _is_dtensor(t) else t
-        owner0.add(name)
-    if model is not None:
-        # a buffer (BatchNorm's running statistics) may differ between ranks after a step: rank 0's is saved,
-        # the one DDP broadcasts to every rank at the next forward (written by rank 0, like extra)
-        buffers = {b.data_ptr() for b in model.buffers() if not _is_dtensor(b) and b.numel()}
-        owner0.update(name for name, t in items.tensors.items()
-                      if name.startswith("model.") and not _is_dtensor(t) and t.numel() and t.data_ptr() in buffers)
+    items, own, extra_items = _Items(), _Items(), _Items()
+    spec: dict[str, Any] = {}
+    owner0: set[str] = set()
+    try:  # what one rank alone may fail at: the others learn it in the plan's collective (no hang)
+        model_state, optim_state = _canonical_state(ck, model, optimizer)
+        if model_state is not None:
+            spec["model"] = encode(model_state, "model", items)
+        if optim_state is not None:
+            spec["optimizer"] = encode(optim_state, "optim", items)
+        spec["extra"] = encode(extra, "extra", extra_items)
+        for name, t in extra_items.tensors.items():  # global state: rank 0's, written by rank 0
+            items.tensors[name] = t
+            owner0.add(name)
+        if model is not None:
+            # a buffer (BatchNorm's running statistics) may differ between ranks after a step: rank 0's is
+            # saved, the one DDP broadcasts to every rank at the next forward (written by rank 0, like extra)
+            buffers = {b.data_ptr() for b in model.buffers() if not _is_dtensor(b) and b.numel()}
+            owner0.update(name for name, t in items.tensors.items() if name.startswith("model.")
+                          and not _is_dtensor(t) and t.numel() and t.data_ptr() in buffers)
+        own_spec = encode(rank_state, f"rank{rank}", own)
+        loader_state = loader.state_dict() if loader is not None else None
+    except Exception as e:
+        try:
+            _plan(ck, {}, set(), rank, world, step, failure=f"{type(e).__name__}: {e}")
+        except CheckpointError as told:
+            raise told from e
+        raise  # (the plan raises for every rank once one failed)
     folder_name, mine, holds = _plan(ck, items.tensors, owner0, rank, world, step)
-    own = _Items()
-    own_spec = encode(rank_state, f"rank{rank}", own)
-    tensors: dict[str, torch.Tensor] = {}
-    chunks: dict[str, list[dict[str, Any]]] = {}
-    for name, t, offsets, sizes in mine:
-        key = f"{name}@{','.join(map(str, offsets))}"
-        tensors[key] = t
-        chunks.setdefault(name, []).append({"key": key, "offsets": offsets, "sizes": sizes,
-                                            "dtype": str(t.dtype).removeprefix("torch.")})
-    for name, t in own.tensors.items():
-        tensors[name] = t.full_tensor() if _is_dtensor(t) else t
-    tensors = {k: (v.contiguous() if v.device.type == "cpu" else v) for k, v in tensors.items()}
-    files, by_key = _rank_files(f"rank-{rank:05d}", tensors, ck.max_shard_size, ck._rank_files_cache)
-    events: list[Any] = []
-    if not blocking or any(t.device.type != "cpu" for f in files for _, t in f.parts):
-        events = ck._arena.stage(files, ordered=not blocking)
-    else:
-        for f in files:
-            if not f.views:  # (a shard of no tensors still has its header to write)
-                f.bind()
+    try:  # this rank alone fails (memory for the snapshot): the others learn it now, not at the timeout
+        tensors: dict[str, torch.Tensor] = {}
+        chunks: dict[str, list[dict[str, Any]]] = {}
+        for name, t, offsets, sizes in mine:
+            key = f"{name}@{','.join(map(str, offsets))}"
+            tensors[key] = t
+            chunks.setdefault(name, []).append({"key": key, "offsets": offsets, "sizes": sizes,
+                                                "dtype": str(t.dtype).removeprefix("torch.")})
+        for name, t in own.tensors.items():
+            tensors[name] = t.full_tensor() if _is_dtensor(t) else t
+        tensors = {k: (v.contiguous() if v.device.type == "cpu" else v) for k, v in tensors.items()}
+        files, by_key = _rank_files(f"rank-{rank:05d}", tensors, ck.max_shard_size, ck._rank_files_cache)
+        events: list[Any] = []
+        if not blocking or any(t.device.type != "cpu" for f in files for _, t in f.parts):
+            events = ck._arena.stage(files, ordered=not blocking)
+        else:
+            for f in files:
+                if not f.views:  # (a shard of no tensors still has its header to write)
+                    f.bind()
+    except Exception as e:
+        if holds is not None and not holds():  # the others plan again: this rank joins, failing
+            ck._dist_plan = None
+            try:
+                _plan(ck, {}, set(), rank, world, step, failure=f"{type(e).__name__}: {e}")
+            except CheckpointError as told:
+                raise told from e
+        _fail_part(ck, os.path.join(ck.root, folder_name), rank, e)
+        raise
     if holds is not None and not holds():  # another rank's state changed shape: plan again, all ranks alike
         for event in events:
             event.synchronize()
@@ -384,7 +428,7 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
             c.update(by_key[c["key"]])
     info = {"rank": rank, "world_size": world, "chunks": chunks, "state": own_spec,
             "state_tensors": {k: by_key[k] for k in own.tensors},
-            "loader": loader.state_dict() if loader is not None else None}
+            "loader": loader_state}
     if rank == 0:
         info["spec"] = spec
     del items, own, tensors, mine, extra_items
@@ -398,12 +442,26 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
     return write
 
 
+def _fail_part(ck: Any, tmp: str, rank: int, e: BaseException) -> None:
+    """Tell the other ranks that this rank will write nothing for the step being saved (its error file in
+    the step's temporary folder, rank 0 makes the folder and aborts it), so that they raise at once."""
+    with contextlib.suppress(OSError, CheckpointError):
+        if rank == 0:
+            os.makedirs(tmp, exist_ok=True)
+        else:
+            _wait_for(lambda: os.path.isdir(tmp) or _owner_gone(tmp), ck.timeout, "rank 0's folder", tmp)
+        _write_json_atomic(tmp, f"rank-{rank:05d}.error", {"rank": rank, "error": repr(e)}, quiet=True)
+        if rank == 0:
+            _abort(tmp)
+
+
 def _write_part(ck: Any, step: int, tmp: str, files: list[FilePlan], info: dict[str, Any], rank: int,
                 world: int, export_to: Any) -> None:
     if rank == 0:
         _drop_aborted(ck.root)
         try:
             os.makedirs(tmp, exist_ok=True)
+            _busy(tmp)
         except OSError as e:
             raise CheckpointError(f"rank 0: cannot create step {step}'s folder: {e}", path=tmp) from e
     else:
@@ -422,6 +480,7 @@ def _write_part(ck: Any, step: int, tmp: str, files: list[FilePlan], info: dict[
         _write_json_atomic(tmp, f"rank-{rank:05d}.error", {"rank": rank, "error": repr(e)}, quiet=True)
         if rank == 0:  # the others wait for rank 0's commit, not for its part: tell them now
             _abort(tmp)
+            _unbusy(tmp)
         if isinstance(e, OSError):
             raise CheckpointError(f"rank {rank}: writing step {step} failed, nothing was committed: {e}",
                                   path=getattr(e, "filename", None) or tmp) from e
@@ -430,14 +489,39 @@ def _write_part(ck: Any, step: int, tmp: str, files: list[FilePlan], info: dict[
         for f in files:  # drop references to tensors and the arena
             f.views, f.parts = [], []
     final = ck.path(step)
-    if rank == 0:
-        _commit(ck, step, tmp, final, world)
-        if export_to is not None:
-            ck._export(step, export_to, ck.max_shard_size, overwrite=True)
+    if rank == 0:  # the others return once rank 0 is done: the step committed, older ones pruned, the export
+        try:
+            _commit(ck, step, tmp, final, world)
+            if export_to is not None:
+                try:
+                    ck._export(step, export_to, ck.max_shard_size, overwrite=True)
+                except (TorchforgeError, OSError) as e:
+                    raise after_commit(f"step {step} was committed, but its export failed: {e}",
+                                        getattr(e, "path", None) or str(export_to), e) from e
+        except CheckpointError as e:
+            if not getattr(e, "installed", False):
+                _unbusy(tmp)
+                raise
+            try:  # the step is there, but what came after failed: the others raise it too
+                _write_json_atomic(ck.root, os.path.basename(tmp) + ".busy", {"error": str(e)})
+            except OSError:
+                _unbusy(tmp)
+            raise
+        except BaseException:
+            _unbusy(tmp)
+            raise
+        _unbusy(tmp)
     else:
         _wait_for(lambda: _committed(final, tmp), ck.timeout, f"rank 0 to commit step {step}", tmp)
         if not os.path.isdir(final) or not os.path.exists(os.path.join(final, "manifest.json")):
             raise CheckpointError(f"step {step} was not committed (another rank failed)", path=tmp)
+        try:  # (the timeout again, from the commit: an export may take a while)
+            _wait_for(lambda: _done(final, tmp), ck.timeout, f"rank 0 to prune and export after step {step}",
+                      tmp)
+        except CheckpointError as e:
+            if getattr(e, "installed", False):
+                raise
+            raise after_commit(f"step {step} was committed, but {e}", final, e) from e
 
 
 def _rank_files(prefix: str, tensors: dict[str, torch.Tensor], max_shard: int, cache: dict | None = None
@@ -473,14 +557,47 @@ def _abort(tmp: str) -> None:
         pass
 
 
+def _busy(tmp: str) -> None:
+    """Mark a save as not done (``<tmp>.busy`` beside its folder, made by rank 0 with the folder): the
+    other ranks return once it is gone, after the commit, the pruning of older steps and the export,
+    so that every rank sees the same steps when save() returns. Left with an error in it, the step was
+    committed but what came after failed (the others raise that error too)."""
+    with open(tmp + ".busy", "wb"):
+        pass
+
+
+def _unbusy(tmp: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(tmp + ".busy")
+
+
 def _drop_aborted(root: str) -> None:
     """Delete this process's earlier saves that were aborted (rank 0 only: their ranks have all given up
     by the time rank 0 saves again), so a job whose saves keep failing does not pile up partial steps."""
     mine = f"-h{host_name()}-p{os.getpid()}-"
     with contextlib.suppress(OSError):
         for name in os.listdir(root):
-            if name.startswith(".tmp-step-") and mine in name and os.path.exists(os.path.join(root, name, "ABORT")):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            if name.startswith(".tmp-step-") and mine in name:
+                if name.endswith(".busy"):  # a save's error, read by the other ranks before this save
+                    os.unlink(os.path.join(root, name))
+                elif os.path.exists(os.path.join(root, name, "ABORT")):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _done(final: str, tmp: str) -> bool:
+    """Whether rank 0 is done with a committed step (pruned older steps, exported): its ``.busy`` gone."""
+    try:
+        with open(tmp + ".busy", "rb") as f:
+            said = f.read()
+    except FileNotFoundError:
+        return True
+    if said:
+        try:
+            error = json.loads(said)["error"]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            error = f"unreadable error report {said[:200]!r}"
+        raise after_commit(f"rank 0: {error}", final, CheckpointError(error, path=final))
+    return _owner_gone(tmp)  # (rank 0 died after the commit: the step is there)
 
 
 def _committed(final: str, tmp: str) -> bool:
