@@ -78,3 +78,32 @@ def test_errors_pickle_with_path_and_offset():
     e = CodecError("boom", path="/x", offset=7)
     e2 = pickle.loads(pickle.dumps(e))
     assert type(e2) is CodecError and e2.path == "/x" and e2.offset == 7 and str(e2) == str(e)
+
+
+def test_a_tiny_value_that_expands_to_gigabytes_is_refused_not_a_memory_error():
+    """bz2 had no bound without a limit (zstd's frames bound themselves; gzip cannot exceed about 1032x):
+    785 bytes of bz2 became 1 GiB of zeros, and a little more was a MemoryError. Output is now bounded as
+    zstd's is, by what the data could honestly hold, and never below 64 MiB."""
+    name = "bz2"
+    bomb = codecs.compress(name, bytes(80 << 20))  # 80 MiB of zeros: more than 64 MiB and the ratio bound
+    assert len(bomb) * codecs._ZSTD_MAX_RATIO < (80 << 20)
+    with pytest.raises(CodecError, match="decompression bomb") as ei:
+        codecs.decompress(name, bomb, path="/data/a.binx", offset=77)
+    assert ei.value.path == "/data/a.binx" and ei.value.offset == 77
+    assert codecs.decompress(name, codecs.compress(name, bytes(1 << 20))) == bytes(1 << 20)
+    for name in ("gz", "xz"):  # their formats cannot reach the bound: 80 MiB of zeros decode whole
+        assert codecs.decompress(name, codecs.compress(name, bytes(80 << 20))) == bytes(80 << 20)
+
+
+@pytest.mark.parametrize("name", ["gz", "bz2", "xz"])
+def test_concatenated_streams_are_read_whole_with_and_without_a_limit(name):
+    """pbzip2, pigz and xz -T write several streams; with a limit the bounded path read only the first."""
+    two = codecs.compress(name, b"a" * 1000) + codecs.compress(name, b"b" * 500)
+    want = b"a" * 1000 + b"b" * 500
+    codec = codecs.get_codec(name)
+    assert codecs.decompress(name, two) == want
+    assert codec.decompress(two, limit=1500) == want
+    with pytest.raises(CodecError, match="more than 1499 bytes"):
+        codec.decompress(two, limit=1499)
+    with pytest.raises(CodecError):
+        codec.decompress(two[:-5], limit=1500)

@@ -47,8 +47,13 @@ class Codec:
         """Decompress ``data``; failures raise CodecError naming ``path`` and ``offset``.
 
         With ``limit``, output longer than ``limit`` bytes raises CodecError; zstd checks a frame's
-        claimed size before allocating, gz/bz2/xz stop decompressing one byte past the limit.
+        claimed size before allocating, gz/bz2/xz stop decompressing one byte past the limit. Without
+        one, gz/bz2/xz output is bounded as zstd's is, by what ``data`` could honestly hold (at least
+        64 MiB): a tiny value that expands to gigabytes is a CodecError, not a MemoryError.
         """
+        bomb = False
+        if limit is None and self.name in _BOMB_BOUNDED:
+            limit, bomb = max(memoryview(data).nbytes * _ZSTD_MAX_RATIO, _BOMB_FLOOR), True
         try:
             out = self._decompress(data, limit)
         except CodecError as e:
@@ -59,6 +64,9 @@ class Codec:
             raise CodecError(f"corrupt {self.name} data ({type(e).__name__}: {e})", path=path,
                              offset=offset) from e
         if limit is not None and len(out) > limit:
+            if bomb:
+                raise CodecError(f"{self.name} data of {memoryview(data).nbytes} bytes decompresses to more "
+                                 f"than {limit} bytes: refused (a decompression bomb)", path=path, offset=offset)
             raise CodecError(f"{self.name} data decompresses to more than {limit} bytes", path=path, offset=offset)
         return out
 
@@ -71,6 +79,8 @@ _tls = threading.local()
 # 3-byte header and its byte). A frame that claims more than this for its length is lying.
 _ZSTD_MAX_RATIO = (128 << 10) // 4
 _SIZED_FAST = 1 << 15
+_BOMB_BOUNDED = ("gz", "bz2", "xz")  # decompressed without a known size: bounded like zstd (see Codec.decompress)
+_BOMB_FLOOR = 64 << 20
 _UNKNOWN = zstandard.CONTENTSIZE_UNKNOWN  # frames with a content size at least this large go through one-shot decompress
 
 
@@ -180,31 +190,36 @@ def _brotli():
 
 
 def _gzip_decompress(data: Buffer, limit: int | None) -> bytes:
-    if limit is None:
+    """Every gzip member of ``data``, stopping one byte past ``limit``."""
+    out = b""
+    data = bytes(data)
+    while True:
+        d = zlib.decompressobj(wbits=31)
         try:
-            return gzip.decompress(data)
-        except (OSError, EOFError, zlib.error) as e:
+            got = d.decompress(data, 0 if limit is None else limit + 1 - len(out))
+        except zlib.error as e:
             raise CodecError(f"corrupt gzip data ({e})") from e
-    d = zlib.decompressobj(wbits=31)  # one gzip member, as MDS writes; stops one byte past the limit
-    try:
-        out = d.decompress(data, limit + 1)
-    except zlib.error as e:
-        raise CodecError(f"corrupt gzip data ({e})") from e
-    if len(out) <= limit and not d.eof:
-        raise CodecError("truncated gzip data")
-    return out
+        out += got
+        if limit is not None and len(out) > limit:
+            return out  # (the caller raises)
+        if not d.eof:
+            raise CodecError("truncated gzip data")
+        data = d.unused_data
+        if not data:
+            return out
 
 
 def _bounded(make: Callable[[], Any]) -> Callable[[Buffer, int | None], bytes]:
-    """bz2/xz decompression that stops one byte past ``limit`` (one stream, as MDS writes)."""
+    """bz2/xz decompression of every stream of ``data``, stopping one byte past ``limit``."""
     def decompress(data: Buffer, limit: int | None) -> bytes:
         d = make()
         out = d.decompress(bytes(data), -1 if limit is None else limit + 1)
-        if limit is None or len(out) <= limit:
-            if not d.eof:
-                raise CodecError("truncated data")
-            if limit is None and d.unused_data:  # more streams follow: the standard library reads them all
-                return out + decompress(d.unused_data, None)
+        if limit is not None and len(out) > limit:
+            return out  # (the caller raises)
+        if not d.eof:
+            raise CodecError("truncated data")
+        if d.unused_data:  # more streams follow (pbzip2, xz -T): the standard library reads them all too
+            return out + decompress(d.unused_data, None if limit is None else limit - len(out))
         return out
     return decompress
 
