@@ -13,7 +13,7 @@ import zstandard
 
 from torchforge import codecs
 from torchforge.datasets.mds import MDSDataset
-from torchforge.errors import CodecError, FormatError, TorchforgeError
+from torchforge.errors import CodecError, CorruptShardError, FormatError, TorchforgeError
 from torchforge.formats.mds import MDSWriter
 
 MiB = 1 << 20
@@ -143,3 +143,92 @@ def test_pil_column_of_the_right_size_reads(tmp_path):
     with MDSWriter(out, {"id": "int", "img": "pil"}) as w:
         w.write({"id": 0, "img": img})
     assert MDSDataset(out)[0]["img"].tobytes() == img.tobytes()
+
+
+# --- index.json entries that lie (found by fuzzing every byte of small datasets) ---------------------------
+def _mds(out: str, n: int = 6, **kw) -> str:
+    with MDSWriter(out, {"id": "int", "blob": "bytes"}, size_limit=kw.pop("size_limit", 400), **kw) as w:
+        for i in range(n):
+            w.write({"id": i, "blob": bytes([i]) * 60})
+    return out
+
+
+def _edit_index(out: str, fn) -> None:
+    path = os.path.join(out, "index.json")
+    with open(path) as f:
+        index = json.load(f)
+    fn(index)
+    with open(path, "w") as f:
+        json.dump(index, f)
+
+
+def test_verify_finds_a_shard_whose_index_entry_says_0_samples_or_is_gone(tmp_path):
+    """A shard whose entry says 0 samples is never opened by decoding every sample, and a shard whose entry
+    was deleted is not seen at all: both lost every sample of the shard while verify said '0 problems'."""
+    from torchforge.cli import verify_dataset
+
+    out = _mds(str(tmp_path / "zero"))
+    assert verify_dataset(out) == (6, []) and MDSDataset(out).metas[0].samples > 0
+    _edit_index(out, lambda ix: ix["shards"][0].update(samples=0))
+    _, problems = verify_dataset(out)
+    assert len(problems) == 1 and "shard.00000.mds: byte 0: shard says it holds" in problems[0], problems
+    assert "index.json says 0" in problems[0]
+
+    out = _mds(str(tmp_path / "gone"))
+    _edit_index(out, lambda ix: ix["shards"].pop(1))
+    _, problems = verify_dataset(out)
+    assert len(problems) == 1 and "shard.00001.mds:" in problems[0] and "does not list" in problems[0], problems
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("samples", 2**63, "cannot fit in raw_data"),  # was accepted, then len() raised a raw OverflowError
+    ("samples", 10**6, "cannot fit in raw_data"),
+    ("hashes", "x", "not an object of hex digests"),  # was a raw AttributeError at the first read
+    ("hashes", {"sha1": 5}, "not an object of hex digests"),
+])
+def test_an_index_entry_with_impossible_counts_or_hashes_is_a_format_error_naming_index_json(
+        tmp_path, field, value, match):
+    out = _mds(str(tmp_path / "d"), compression="zstd", hashes=["sha1"])
+
+    def lie(ix):
+        if field == "samples":
+            ix["shards"][0]["samples"] = value
+        else:
+            ix["shards"][0]["raw_data"]["hashes"] = value
+
+    _edit_index(out, lie)
+    with pytest.raises(FormatError, match=match) as e:
+        MDSDataset(out)
+    assert e.value.path == os.path.join(out, "index.json")
+
+
+def test_errors_in_a_decompressed_mds_shard_name_the_stored_file_not_the_private_copy(tmp_path):
+    out = _mds(str(tmp_path / "d"), compression="zstd", size_limit=None)
+    _edit_index(out, lambda ix: ix["shards"][0].update(samples=5))
+    with pytest.raises(CorruptShardError, match="holds 6 samples, index.json says 5") as e:
+        MDSDataset(out)[0]
+    assert e.value.path == os.path.join(out, "shard.00000.mds.zstd") + " (decompressed)", e.value.path
+
+
+def test_a_damaged_sidecar_value_names_the_binx_file_and_the_values_offset(tmp_path):
+    """Damage inside a .binx value was reported against the .jinx line that refers to it."""
+    from torchforge import JinxWriter, open_dataset
+
+    folder = str(tmp_path / "j")
+    with JinxWriter(folder, encoding="b64", binary_threshold=16, compression="zst") as w:
+        for i in range(3):
+            w.write({"id": i, "text": "x" * 200 + str(i)})
+    binx = os.path.join(folder, "shard-00000.binx")
+    ds = open_dataset(folder)
+    assert ds[2]["text"] == "x" * 200 + "2"
+    where = ds[1].raw_keys()
+    del ds
+    with open(binx, "r+b") as f:
+        data = bytearray(f.read())
+        second = data.find(b"\x28\xb5\x2f\xfd", 1)  # the second value's zstd frame
+        data[second:second + 4] = b"JUNK"
+        f.seek(0)
+        f.write(data)
+    with pytest.raises(CodecError, match=r"value of 'text.str.zst.bin' \(referenced from shard-00000.jinx byte") as e:
+        open_dataset(folder)[1]["text"]
+    assert e.value.path == binx and e.value.offset == second, (e.value, where)

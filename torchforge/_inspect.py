@@ -1,12 +1,16 @@
 """Format-specific details for ``torchforge inspect`` and checksum checks for ``torchforge verify``."""
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 from typing import Any
 
-from torchforge.errors import CorruptShardError, TorchforgeError
+from torchforge.errors import CorruptShardError, FormatError, TorchforgeError
 
 __all__ = ["format_checks", "format_details"]
+
+_SHARD_FILE = re.compile(r"shard\.\d+\.mds(\.\w+)?")  # Streaming's shard names, compressed or not
 
 
 def _jinx_details(ds: Any) -> dict[str, Any]:
@@ -45,11 +49,31 @@ def format_details(ds: Any) -> dict[str, Any]:
 
 
 def _mds_checks(ds: Any) -> list[TorchforgeError]:
-    """Every shard file's hashes against index.json (Streaming writes them for both file forms)."""
+    """Every shard file's hashes against index.json (Streaming writes them for both file forms); shards
+    index.json says hold no samples against their own header (decoding every sample never opens them);
+    shard files index.json does not list (their samples are not part of the dataset)."""
     from torchforge.formats.mds import get_hash, hash_names
 
     problems: list[TorchforgeError] = []
     known = set(hash_names())
+    listed, folders = set(), {os.path.normpath(ds.root)}
+    for k, m in enumerate(ds.metas):
+        for name in (m.raw_basename, m.zip_basename):
+            if name:
+                listed.add(os.path.normpath(os.path.join(ds.root, name)))
+                folders.add(os.path.dirname(os.path.normpath(os.path.join(ds.root, name))))
+        if m.samples == 0:
+            try:
+                ds._shard(k)
+            except TorchforgeError as e:
+                problems.append(e)
+    for folder in sorted(folders):
+        with contextlib.suppress(OSError):
+            for name in sorted(os.listdir(folder)):
+                path = os.path.join(folder, name)
+                if _SHARD_FILE.fullmatch(name) and path not in listed and os.path.isfile(path):
+                    problems.append(FormatError("a shard file index.json does not list: its samples are not "
+                                                "part of the dataset (a lost index entry?)", path=path))
     for m in ds.metas:
         for form in ("zip_data", "raw_data"):
             info = m.raw.get(form) or {}

@@ -160,10 +160,11 @@ class MDSDataset(ShardDataset):
                 self._room = True
             m = self.metas[k]
             path = self._files[k]
+            label = None
             if m.zip_basename is not None and path.endswith(m.zip_basename):
-                path = self._decompressed(k)
+                path, label = self._decompressed(k), f"{path} (decompressed)"
             shard = self._shards[k] = MDSShard(path, m, allow_unsafe_types=self.allow_unsafe_types,
-                                               columns=self.columns, zero_copy=self.zero_copy)
+                                               columns=self.columns, zero_copy=self.zero_copy, label=label)
         return shard
 
     # --- ShardDataset -----------------------------------------------------------------------------

@@ -365,8 +365,11 @@ class JinxShard:
         scalar, from_bin, codecs, ser = plan
         if scalar is not None:
             return self._scalar(raw_key, scalar, value, offset)
-        if from_bin:
+        path, at, whose = self.path, offset, f"value of {raw_key!r}"
+        if from_bin:  # errors in the value's bytes name the sidecar and where in it the value starts
             data = self.sidecar(value, offset)
+            path, at = self.bin_path, value["offset"]
+            whose += f" (referenced from {os.path.basename(self.path)} byte {offset})"
         elif self._b64 and type(value) is str:  # the common case, inline
             try:
                 data = a2b_base64(value, strict_mode=True)
@@ -374,22 +377,27 @@ class JinxShard:
                 data = self._text_bytes(raw_key, value, offset)  # raises, naming the problem
         else:
             data = self._text_bytes(raw_key, value, offset)
-        for ext in codecs:
-            data = (unzstd(data, path=self.path, offset=offset) if ext == "zst" else
-                    decompress_value(data, ext, path=self.path, offset=offset))
+        try:
+            for ext in codecs:
+                data = (unzstd(data, path=path, offset=at) if ext == "zst" else
+                        decompress_value(data, ext, path=path, offset=at))
+        except CodecError as e:
+            if not from_bin:
+                raise
+            raise CodecError(f"{whose}: {e.reason}", path=path, offset=at) from None
         if ser == "str":
             try:
                 return str(data, "utf-8")
             except UnicodeDecodeError as e:
-                raise self._fail(f"value of {raw_key!r} is not valid UTF-8 ({e})", offset) from None
+                raise self._fail(f"{whose} is not valid UTF-8 ({e})", at, path) from None
         if ser == "raw":
             return data if type(data) is bytes else byte_view(data)
         if ser is None:
             try:
                 return orjson.loads(data)
             except _JSONDecodeError as e:
-                raise self._fail(f"value of {raw_key!r} is not valid JSON ({e})", offset) from None
-        return self._deserialize(raw_key, ser, data, from_bin and not codecs and self.zero_copy, offset)
+                raise self._fail(f"{whose} is not valid JSON ({e})", at, path) from None
+        return self._deserialize(whose, ser, data, from_bin and not codecs and self.zero_copy, at, path)
 
     def _text_bytes(self, raw_key: str, value: Any, offset: int) -> bytes:
         """The bytes an inline value encodes in the shard's text encoding."""
@@ -424,7 +432,7 @@ class JinxShard:
             plan = (None, from_bin, tuple(reversed(codecs)), ser)
         return plan  # type: ignore[return-value]
 
-    def _deserialize(self, raw_key: str, ext: str, data: Any, zero_copy: bool, offset: int) -> Any:
+    def _deserialize(self, whose: str, ext: str, data: Any, zero_copy: bool, offset: int, path: str) -> Any:
         try:
             if ext == "npy":
                 return load_npy(data, zero_copy=zero_copy)
@@ -432,8 +440,7 @@ class JinxShard:
         except (CodecError, FormatError):
             raise
         except Exception as e:  # noqa: BLE001 - numpy's and torch's own errors, re-raised typed
-            raise self._fail(f"value of {raw_key!r} is not valid {ext} data ({type(e).__name__}: {e})",
-                             offset) from None
+            raise self._fail(f"{whose} is not valid {ext} data ({type(e).__name__}: {e})", offset, path) from None
 
     def _scalar(self, raw_key: str, dtype: str, value: Any, offset: int) -> Any:
         t = type(value)

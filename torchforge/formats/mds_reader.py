@@ -64,6 +64,9 @@ def _file_info(entry: Mapping, key: str, where: str, path: str) -> tuple[str, in
     size = _field(info, "bytes", int, f"{where}.{key}", path)
     if size < 0:
         raise FormatError(f"{where}.{key}: negative size {size}", path=path)
+    hashes = info.get("hashes", {})
+    if not isinstance(hashes, Mapping) or not all(isinstance(v, str) for v in hashes.values()):
+        raise FormatError(f"{where}.{key}: 'hashes' is {hashes!r}, not an object of hex digests", path=path)
     return name, size
 
 
@@ -81,6 +84,9 @@ def parse_shard_entry(entry: Any, where: str, path: str) -> ShardMeta:
     raw = _file_info(entry, "raw_data", where, path)
     if raw is None:
         raise FormatError(f"{where} has no raw_data", path=path)
+    if 4 * (samples + 2) > raw[1]:  # [count: u32][offsets: (samples + 1) * u32], before any sample
+        raise FormatError(f"{where}: {samples} samples cannot fit in raw_data's {raw[1]} bytes (their offset "
+                          "table alone would not)", path=path)
     zipped = _file_info(entry, "zip_data", where, path)
     try:
         comp = parse_mds_compression(entry.get("compression"))
@@ -222,6 +228,7 @@ class MDSShard:
         meta: its index.json entry.
         allow_unsafe_types: decode ``pkl`` columns (runs pickle: only for data you trust).
         columns: decode only these columns (None: all).
+        label: the path errors name (default ``path``): a copy decompressed elsewhere names its stored file.
 
     Raises:
         FileNotFoundError: the file is missing (Streaming relies on this to fetch it).
@@ -230,12 +237,13 @@ class MDSShard:
     """
 
     def __init__(self, path: str, meta: ShardMeta, *, allow_unsafe_types: bool = False,
-                 columns: list[str] | None = None, zero_copy: bool = False) -> None:
+                 columns: list[str] | None = None, zero_copy: bool = False, label: str | None = None) -> None:
         self.path = path
+        self.label = label or path  # what errors name (a decompressed copy names the stored file)
         self.meta = meta
         self.samples = meta.samples
         self._sample_codec = meta.compression if meta.compression and meta.compression.per_sample else None
-        self.decoder = SampleDecoder(meta, path, allow_unsafe_types=allow_unsafe_types, columns=columns,
+        self.decoder = SampleDecoder(meta, self.label, allow_unsafe_types=allow_unsafe_types, columns=columns,
                                      zero_copy=zero_copy)
         self.encodings = self.decoder.encodings
         self.decode = self.decoder.decode
@@ -245,7 +253,7 @@ class MDSShard:
             if size != meta.raw_bytes:
                 raise CorruptShardError(f"shard is {size} bytes, index.json says {meta.raw_bytes}"
                                         f" ({'truncated' if size < meta.raw_bytes else 'extra bytes'})",
-                                        path=path, offset=min(size, meta.raw_bytes))
+                                        path=self.label, offset=min(size, meta.raw_bytes))
             self.size = size
             self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
         finally:
@@ -255,35 +263,38 @@ class MDSShard:
         self._offsets_list = self.offsets.tolist()
 
     def _check_header(self) -> np.ndarray:
-        size, n, path = self.size, self.samples, self.path
+        size, n = self.size, self.samples
         if size < 4:
-            raise CorruptShardError(f"shard is {size} bytes, too short for its sample count", path=path, offset=size)
+            raise CorruptShardError(f"shard is {size} bytes, too short for its sample count", path=self.label,
+                                    offset=size)
         (count,) = struct.unpack_from("<I", self._view, 0)
         if count != n:
-            raise CorruptShardError(f"shard says it holds {count} samples, index.json says {n}", path=path, offset=0)
+            raise CorruptShardError(f"shard says it holds {count} samples, index.json says {n}", path=self.label,
+                                    offset=0)
         head = 4 + 4 * (n + 1)
         if size < head:
             raise CorruptShardError(f"offset table of {n + 1} entries runs past the end ({size} bytes)",
-                                    path=path, offset=size)
+                                    path=self.label, offset=size)
         offsets = np.frombuffer(self._view, "<u4", n + 1, 4).astype(np.int64)
         if not head <= offsets[0] <= size:
-            raise CorruptShardError(f"first sample offset {offsets[0]} is outside {head}..{size}", path=path, offset=4)
+            raise CorruptShardError(f"first sample offset {offsets[0]} is outside {head}..{size}", path=self.label,
+                                    offset=4)
         bad = np.flatnonzero(np.diff(offsets) < 0)
         if len(bad):
             k = int(bad[0]) + 1
             raise CorruptShardError(f"sample offset {k} ({offsets[k]}) is below the previous one ({offsets[k - 1]})",
-                                    path=path, offset=4 + 4 * k)
+                                    path=self.label, offset=4 + 4 * k)
         if offsets[-1] != size:
             raise CorruptShardError(f"last sample offset {offsets[-1]} is not the shard size {size}",
-                                    path=path, offset=4 + 4 * n)
+                                    path=self.label, offset=4 + 4 * n)
         try:
             config = json.loads(bytes(self._view[head:offsets[0]]))
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise CorruptShardError(f"shard config is not JSON ({e})", path=path, offset=head) from None
+            raise CorruptShardError(f"shard config is not JSON ({e})", path=self.label, offset=head) from None
         if not isinstance(config, Mapping) or (
                 list(config.get("column_names", ())), list(config.get("column_encodings", ()))) != (
                 list(self.meta.column_names), list(self.meta.column_encodings)):
-            raise CorruptShardError("shard's column config disagrees with index.json", path=path, offset=head)
+            raise CorruptShardError("shard's column config disagrees with index.json", path=self.label, offset=head)
         return offsets
 
     # --- samples ------------------------------------------------------------------------------------
@@ -292,7 +303,7 @@ class MDSShard:
         begin, end = self._offsets_list[i], self._offsets_list[i + 1]
         data = self._view[begin:end]
         if self._sample_codec is not None:
-            return self._sample_codec.codec.decompress(data, path=self.path, offset=begin)
+            return self._sample_codec.codec.decompress(data, path=self.label, offset=begin)
         return data
 
     def get(self, i: int) -> dict[str, Any]:
@@ -315,7 +326,7 @@ class MDSShard:
         else:
             dec = self._sample_codec.codec.decompress
             for i in range(self.samples):
-                yield decode(dec(view[offs[i]:offs[i + 1]], path=self.path, offset=offs[i]), offs[i])
+                yield decode(dec(view[offs[i]:offs[i + 1]], path=self.label, offset=offs[i]), offs[i])
 
     def lazy(self, i: int) -> LazySample:
         """Sample ``i`` as a mapping that decodes a column only when it is looked up."""
@@ -355,7 +366,7 @@ class MDSShard:
         if len(bad):
             k = int(bad[0])
             raise CorruptShardError(f"sample {k}'s column sizes run past its end (lying column sizes or offsets)",
-                                    path=self.path, offset=int(begins[k]))
+                                    path=self.label, offset=int(begins[k]))
 
     # --- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:
