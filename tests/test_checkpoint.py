@@ -210,6 +210,23 @@ def test_verify_names_the_damaged_file(tmp_path):
         ck.verify(3)
 
 
+def _resign(folder: str, name: str) -> None:
+    """Make the manifest agree with a changed file (size and block digests): a step that lies consistently,
+    as a buggy writer would leave it, which only the structural checks can catch."""
+    from torchforge.checkpoint.digest import BLOCK, BlockDigest
+
+    data = Path(folder, name).read_bytes()
+    digests = []
+    for b in range(max(1, -(-len(data) // BLOCK))):
+        d = BlockDigest()
+        d.update(memoryview(data[b * BLOCK:(b + 1) * BLOCK]))
+        digests.append(d.hexdigest())
+    mpath = os.path.join(folder, "manifest.json")
+    manifest = json.loads(Path(mpath).read_text())
+    manifest["files"][name] = {**manifest["files"][name], "size": len(data), "digests": digests}
+    Path(mpath).write_text(json.dumps(manifest))
+
+
 def test_damaged_header_and_state_are_checkpoint_errors(tmp_path):
     m, _ = _fresh()
     ck = Checkpointer(tmp_path)
@@ -235,11 +252,15 @@ def test_damaged_header_and_state_are_checkpoint_errors(tmp_path):
     index = os.path.join(ck.path(3), "model.safetensors.index.json")
     text = Path(index).read_text().replace("model-00001-of-00001", "model-00009-of-00009")  # same size
     Path(index).write_text(text)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):  # the small JSON files: always checked
+        ck.restore(3, model=_fresh()[0])
+    _resign(ck.path(3), "model.safetensors.index.json")
     with pytest.raises(CheckpointError, match="not in the manifest"):  # an index naming a file not there
         ck.restore(3, model=_fresh()[0])
     ck.save(6, model=m)
     state = os.path.join(ck.path(6), "state.json")
     Path(state).write_text(Path(state).read_text().replace('"aliases"', '"aliasex"'))  # same size, valid JSON
+    _resign(ck.path(6), "state.json")
     with pytest.raises(CheckpointError, match="state.json is damaged") as ei:
         ck.restore(6, model=_fresh()[0])
     assert ei.value.path == state
@@ -262,12 +283,14 @@ def test_damaged_state_json_is_a_checkpoint_error_naming_it(tmp_path, old, new, 
     assert text.count(old) == 1 and len(new) == len(old)
     Path(state).write_text(text.replace(old, new))  # same size: the size check alone does not see it
     m2, opt2 = _fresh(1)
+    for check in (lambda: ck.restore(5, model=m2, optimizer=opt2), lambda: ck.verify(5)):
+        with pytest.raises(CheckpointError, match="checksum mismatch") as ei:  # found by its checksum
+            check()
+        assert ei.value.path == state and f"bytes 0..{len(text)} " in str(ei.value)  # the block, within the file
+    _resign(ck.path(5), "state.json")  # a step that lies consistently: the structural checks find it
     with pytest.raises(CheckpointError, match=problem) as ei:
         ck.restore(5, model=m2, optimizer=opt2)
     assert ei.value.path == state and "state.json" in str(ei.value)
-    with pytest.raises(CheckpointError, match="checksum mismatch") as ei:  # and verify finds it by checksum
-        ck.verify(5)
-    assert ei.value.path == state and f"bytes 0..{len(text)} " in str(ei.value)  # the block, within the file
 
 
 def test_missing_step_and_mismatched_objects(tmp_path):

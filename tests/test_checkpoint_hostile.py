@@ -202,3 +202,48 @@ def test_verify_fails_when_the_manifest_lists_fewer_block_digests_than_the_file_
         with pytest.raises(CheckpointError, match="block digests") as e:
             call(Checkpointer(tmp_path))
         assert e.value.path == os.path.join(step, F)
+
+
+def _adamw_step(root: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    ck = Checkpointer(root)
+    ck.save(1, model=m, optimizer=opt)
+    ck.close()
+    return m, opt
+
+
+@pytest.mark.parametrize(("old", "new"), [('"step": {', '"stdp": {'), ('"__tensor__": "state.0.step"',
+                                                                        '"__tensoR__": "state.0.step"')])
+def test_a_flipped_byte_in_state_json_is_a_checkpoint_error_naming_it_without_verify(tmp_path, old, new):
+    """One flipped bit in state.json (a key of the optimizer state) reached torch's Adam.__setstate__ as a
+    raw KeyError/TypeError: restore without verify=True trusted the file. Its checksum is now always
+    checked (the small JSON files only; tensors' checksums still need verify=True)."""
+    root = str(tmp_path / "ck")
+    _adamw_step(root)
+    path = os.path.join(root, "step-00000001", "state.json")
+    with open(path) as f:
+        text = f.read()
+    assert old in text and len(old) == len(new)
+    with open(path, "w") as f:
+        f.write(text.replace(old, new, 1))
+    m = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    with pytest.raises(CheckpointError, match="checksum mismatch") as e:
+        Checkpointer.reader(root).restore(model=m, optimizer=opt)
+    assert e.value.path == path
+
+
+def test_an_optimizer_state_its_optimizer_rejects_is_a_checkpoint_error():
+    from torchforge.checkpoint.state import restore_optimizer
+
+    m = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    saved = {"state": {0: {"exp_avg": torch.zeros(2, 4), "exp_avg_sq": torch.zeros(2, 4)}},  # no "step"
+             "param_groups": [{**{k: v for k, v in opt.param_groups[0].items() if k != "params"}, "params": [0, 1]}]}
+    with pytest.raises(CheckpointError, match="AdamW rejects the stored optimizer state") as e:
+        restore_optimizer(opt, saved, "/ck/step-00000001/state.json")
+    assert e.value.path == "/ck/step-00000001/state.json"

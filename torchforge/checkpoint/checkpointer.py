@@ -522,8 +522,8 @@ class Checkpointer:
                 batch. A step saved by N ranks and restored by M != N ranks remaps the loader state through
                 its elastic resume (a ``GlobalSampler``), or raises CheckpointError where it cannot.
             map_location: where tensors inside ``extra`` are placed.
-            verify: also re-check every checksum first (reads every byte once more); sizes and safetensors
-                headers are always checked.
+            verify: also re-check every checksum first (reads every byte once more); sizes, safetensors
+                headers and the checksums of the step's small JSON files are always checked.
 
         Raises:
             CheckpointError: no such step, missing or damaged files, or state that does not fit.
@@ -533,6 +533,8 @@ class Checkpointer:
         manifest = self.manifest(step)
         files = manifest["files"]
         verify_files(folder, files, checksums=verify, pool=self._pool)
+        if not verify:  # the small JSON files restore trusts (state.json, indexes): their checksums, always
+            verify_files(folder, {n: e for n, e in files.items() if n.endswith(".json")}, pool=self._pool)
         if manifest.get("version") == distributed.VERSION:
             try:
                 return distributed.restore_distributed(self, step, folder, manifest, model, optimizer, loader,

@@ -216,4 +216,8 @@ def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: 
         for k, v in s.items():
             if k != "params":
                 g[k] = v.clone() if isinstance(v, torch.Tensor) else v  # e.g. a tensor lr: not the mmap
-    opt.__setstate__({"state": state, "param_groups": groups})
+    try:
+        opt.__setstate__({"state": state, "param_groups": groups})
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # the optimizer's own checks of its state
+        raise CheckpointError(f"{type(opt).__name__} rejects the stored optimizer state ({type(e).__name__}: "
+                              f"{e})", path=where) from e
