@@ -341,6 +341,35 @@ def test_original_exception_type_at_any_worker_count(workers):
         assert "missing-key" in str(err.value) and "Traceback" in str(err.value)
 
 
+class _RemoteFails(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        from torchforge.remote.errors import RemoteAccessError
+
+        if i == 2:
+            raise RemoteAccessError("access denied (expired token)", url="s3://bkt/data/shard.00003.mds", offset=64)
+        return i
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_torchforge_error_comes_back_from_a_worker_as_itself_with_its_url_path_and_offset(workers):
+    """torch rebuilds a worker's exception as ``type(e)(message)``: a RemoteError (whose constructor takes
+    ``url=``) came back as a plain RuntimeError, so ``except RemoteError`` (reopen on RemoteChangedError,
+    say) never ran with workers, and every torchforge error lost its url, path and offset."""
+    from torchforge.remote.errors import RemoteAccessError
+
+    with pytest.raises(RemoteAccessError) as err:
+        list(DataLoader(_RemoteFails(), num_workers=workers))
+    e = err.value
+    assert isinstance(e, PermissionError) and e.url == "s3://bkt/data/shard.00003.mds" and e.offset == 64
+    assert str(e) == "s3://bkt/data/shard.00003.mds: byte 64: access denied (expired token)", str(e)
+    if workers:  # the worker's traceback comes along, as a note
+        note = "".join(getattr(e, "__notes__", []))
+        assert "Caught RemoteAccessError in DataLoader worker process" in note and "__getitem__" in note, note
+
+
 def test_error_in_worker_init_fn_is_raised():
     def init(worker_id):
         raise OSError(f"init failed in {worker_id}")

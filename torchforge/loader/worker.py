@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import pickle
 import random
 import select
 import signal
@@ -33,6 +34,7 @@ from torch.utils.data import IterDataPipe, MapDataPipe
 from torch.utils.data._utils import signal_handling
 from torch.utils.data.graph_settings import apply_random_seed, apply_sharding
 
+from torchforge.errors import TorchforgeError
 from torchforge.loader import collate
 from torchforge.loader.fetch import SKIPPED, Source, stateful
 from torchforge.loader.messages import Forget, NewPass, Reply, Task
@@ -107,7 +109,7 @@ def _worker_main(wid: int, conn: Any, spec: WorkerSpec, parent: int) -> None:
         if spec.worker_init_fn is not None:
             spec.worker_init_fn(wid)
     except Exception:  # noqa: BLE001 - reported with the first task, as torch does
-        init_error = ExceptionWrapper(where=where)
+        init_error = Caught(where=where)
     source = Source(dataset, iterable=spec.iterable, auto_collation=spec.auto_collation,
                     collate_fn=spec.collate_fn, drop_last=spec.drop_last, on_error=spec.on_error)
     keeps_state = stateful(dataset)
@@ -130,7 +132,7 @@ def _worker_main(wid: int, conn: Any, spec: WorkerSpec, parent: int) -> None:
                             dataset.load_state_dict(msg.dataset_state)
                         source.start(msg.skip)
                     except Exception:  # noqa: BLE001 - an error in __iter__ comes with the first task
-                        init_error = ExceptionWrapper(where=where)
+                        init_error = Caught(where=where)
             else:
                 if init_error is not None:
                     reply, init_error = Reply(msg.pass_id, msg.seq, msg.slab, error=init_error), None
@@ -148,6 +150,35 @@ def _worker_main(wid: int, conn: Any, spec: WorkerSpec, parent: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+class Caught(ExceptionWrapper):
+    """torch's ``ExceptionWrapper``, which re-raises ``type(e)(message)`` in the main process. A torchforge
+    error travels pickled and is re-raised as itself, the worker's traceback added as a note: rebuilt from
+    its message, it lost its attributes (``url``, ``path``, ``offset``), and a remote error, whose
+    constructor takes ``url=``, came back as a plain RuntimeError (``except RemoteError`` missed it)."""
+
+    def __init__(self, exc_info: Any = None, where: str = "in background") -> None:
+        exc_info = exc_info or sys.exc_info()
+        super().__init__(exc_info, where)
+        self.original: bytes | None = None
+        if isinstance(exc_info[1], TorchforgeError):
+            try:
+                self.original = pickle.dumps(exc_info[1])
+            except Exception:  # noqa: BLE001 - an attribute that does not pickle: torch's way, below
+                self.original = None
+
+    def reraise(self) -> None:
+        exc = None
+        if self.original is not None:
+            try:
+                exc = pickle.loads(self.original)
+            except Exception:  # noqa: BLE001 - torch's way
+                exc = None
+        if exc is None:
+            super().reraise()
+        exc.add_note(f"Caught {self.exc_type.__name__} {self.where}.\nOriginal {self.exc_msg}")
+        raise exc
 
 
 def _batch_scheduling() -> None:
@@ -178,7 +209,7 @@ def _run(task: Task, source: Source, writer: SlabWriter, where: str) -> Reply:
     try:
         arena = writer.begin(task.slab, task.path)
     except OSError as e:
-        return Reply(task.pass_id, task.seq, task.slab, error=ExceptionWrapper(
+        return Reply(task.pass_id, task.seq, task.slab, error=Caught(
             (RuntimeError, RuntimeError(f"cannot open the batch's shared-memory slab {task.path}: {e}"), None),
             where=where))
     collate.set_arena(arena)
@@ -193,7 +224,7 @@ def _run(task: Task, source: Source, writer: SlabWriter, where: str) -> Reply:
     except StopIteration:
         return Reply(task.pass_id, task.seq, task.slab, ended=True)
     except Exception:  # noqa: BLE001 - re-raised in the main process with this traceback
-        return Reply(task.pass_id, task.seq, task.slab, error=ExceptionWrapper(where=where))
+        return Reply(task.pass_id, task.seq, task.slab, error=Caught(where=where))
     finally:
         collate.set_arena(None)
         writer.end(task.slab, arena)
