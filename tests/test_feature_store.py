@@ -125,10 +125,49 @@ def test_writer_sigkilled_mid_write_leaves_last_version_intact(store, tmp_path):
     committed = {os.path.basename(e.file) for e in reopened._snap.manifest.shards}
     assert sorted(os.path.join(store.path, "shards", n) for n in left if n not in committed) == sorted(
         p for p in stale if os.path.dirname(p).endswith("shards"))
-    w = reopened.writer()  # the next writer commits as if nothing happened
+    w = reopened.writer()  # the next writer cleans up after the dead one and commits as if nothing happened
+    assert stale and not any(os.path.exists(p) for p in stale)
+    assert sorted(os.listdir(os.path.join(store.path, "shards"))) == sorted(committed)
     w.write([100], **_rows([100]))
     assert w.commit() == 2
     _expect(reopened, np.arange(101))
+
+
+_KILLED_IN_COMMIT = textwrap.dedent("""
+    import os, sys, numpy as np, torch
+    import torchforge.features.writer as fw
+    from torchforge.features import FeatureStore
+    w = FeatureStore(sys.argv[1]).writer(shard_size=1 << 12)
+    ids = np.arange(5000, 5600)
+    w.write(ids, emb=torch.ones(600, 4), loss=torch.full((600,), 7.0))
+    fw.claim_version = lambda *a, **k: os._exit(9)  # killed after naming its shards and index, before the claim
+    w.commit()
+""")
+
+
+def test_a_writer_killed_inside_commit_leaves_files_the_next_writer_deletes(store):
+    """A writer killed after naming its shards and id index but before claiming its version left them under
+    final names forever: nothing listed or deleted them, and every such crash leaked its rows' bytes."""
+    with store.writer() as w:
+        w.write(np.arange(100), **_rows(np.arange(100)))
+
+    def files(sub):
+        return sorted(os.listdir(os.path.join(store.path, sub)))
+
+    before = {sub: files(sub) for sub in ("shards", "index")}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_IN_COMMIT, store.path], check=False, timeout=120)
+    assert proc.returncode == 9
+    left = {sub: [n for n in files(sub) if n not in before[sub]] for sub in ("shards", "index")}
+    assert len(left["shards"]) >= 1 and len(left["index"]) == 1, left
+    reopened = FeatureStore(store.path)
+    assert reopened.version == 1  # nothing of it is visible
+    _expect(reopened, np.arange(100))
+    w = reopened.writer()
+    assert {sub: files(sub) for sub in ("shards", "index")} == before  # its files are gone, the committed kept
+    w.write([100], **_rows([100]))
+    assert w.commit() == 2
+    _expect(FeatureStore(store.path), np.arange(101))
+    assert FeatureStore(store.path).at(1).get(np.arange(100))["loss"].shape == (100,)
 
 
 def test_uncommitted_writer_leaves_nothing_visible_and_abort_removes_its_shards(store):

@@ -16,9 +16,12 @@ the highest ``v-N.json`` is always whole, no two commits get one number, and no 
 writers. A writer keeps its completed shards under temporary names too and names them in ``commit()``,
 just before it claims the version, so files nobody names (a writer killed before ``commit()``) are
 temporary files: ignored by readers and listed by :func:`stale_temp_files` once their process is gone.
+Writers are named ``<host>-<pid>-<random>``, and so are the files they name; :func:`clean_leftovers` (run
+by every new writer) deletes what dead writers of this host left, named or not, that no version names.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 
 from torchforge._proc import host_name, pid_alive
-from torchforge.errors import FormatError, NotFoundError
+from torchforge.errors import FormatError, NotFoundError, TorchforgeError
 from torchforge.formats.safetensors import DTYPES, fsync_dir
 
 __all__ = ["FORMAT", "Column", "Manifest", "ShardEntry", "claim_version", "list_versions", "read_manifest",
@@ -275,6 +278,47 @@ def stale_temp_files(root: str) -> list[str]:
             if m and not pid_alive(int(m.group(1))):
                 out.append(os.path.join(folder, name))
     return out
+
+
+def writer_name() -> str:
+    """A new writer's name, ``<host>-<pid>-<random>``: the files it names before its commit claims a
+    version (its shards and id index) say whose they are, so a writer killed there leaves nothing that
+    :func:`clean_leftovers` cannot attribute."""
+    return f"{host_name()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def clean_leftovers(root: str) -> list[str]:
+    """Delete what writers of this host that no longer run left behind: their temporary files (killed
+    while writing) and the shards and id index they named for a commit whose version they never claimed
+    (killed inside ``commit()``); returns the paths deleted. Another host's files are never touched (its
+    processes cannot be checked), nor a file any version names, nor anything while a manifest cannot be
+    read."""
+    gone = stale_temp_files(root)
+    mine = re.compile(rf"{re.escape(host_name())}-(\d+)-[0-9a-f]{{8}}-")
+    named: list[str] = []
+    for sub in (SHARDS, INDEX):
+        folder = os.path.join(root, sub)
+        for name in os.listdir(folder) if os.path.isdir(folder) else ():
+            m = mine.match(name)
+            if m and not pid_alive(int(m.group(1))):
+                named.append(f"{sub}/{name}")
+    if named:
+        used: set[str] = set()
+        try:
+            for v in reversed(list_versions(root)):  # newest first: the latest names most of them
+                manifest = read_manifest(root, v)
+                used.update(e.file for e in manifest.shards)
+                if manifest.index is not None:
+                    used.add(manifest.index.file)
+                if used.issuperset(named):
+                    break
+        except TorchforgeError:
+            named = []
+        gone += [os.path.join(root, n) for n in named if n not in used]
+    for path in gone:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return gone
 
 
 def _write_temp(folder: str, stem: str, doc: Any) -> str:

@@ -55,10 +55,12 @@ from torchforge.features.layout import (
     Manifest,
     ShardEntry,
     claim_version,
+    clean_leftovers,
     list_versions,
     read_manifest,
     schema_to_json,
     temp_name,
+    writer_name,
 )
 from torchforge.formats.safetensors import as_bytes, fsync_dir, write_all
 from torchforge.sizes import parse_size
@@ -197,8 +199,9 @@ class FeatureWriter:
         self.store = store
         self.root = store.path
         self.schema = store.schema
+        clean_leftovers(self.root)  # (what writers of this host killed before or inside commit() left)
         self.rank = _rank(rank)
-        self.name = uuid.uuid4().hex[:16]
+        self.name = writer_name()
         self.shard_size = parse_size(shard_size, option="shard_size")
         self._meta = {"format": SHARD_FORMAT, "version": "1", "rank": str(self.rank), "writer": self.name}
         # the stream column: the widest, if wide enough and a multiple of every alignment (so the columns
