@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -346,6 +347,35 @@ def test_leftovers_of_dead_writers_are_invisible_and_cleaned(tmp_path):
     other_node.mkdir()
     ck = Checkpointer(tmp_path)
     assert ck.steps() == [] and os.listdir(tmp_path) == [other_node.name]  # never another node's folder
+
+
+def test_another_hosts_save_is_cleaned_only_once_idle_for_an_hour(tmp_path):
+    """A save SIGKILLed in a container left its folder named for that container's PID namespace: the next
+    container is another host to it, so the folder (a whole partial step) was never cleaned, one more per
+    crash. Another host's folder is now deleted once nothing in it changed for an hour (twice the timeout
+    when that is longer); one that changes is a save in progress, never touched."""
+    from torchforge.checkpoint.distributed import host_name, tmp_name
+
+    old_container = tmp_path / tmp_name(9, pid=2, host=host_name() + "x")
+    old_container.mkdir()
+    (old_container / "rank-00000-00000.safetensors").write_bytes(b"partial")
+    (tmp_path / (old_container.name + ".busy")).write_bytes(b"")
+    live = tmp_path / tmp_name(10, pid=2, host=host_name() + "y")
+    live.mkdir()
+    (live / "rank-00000-00000.safetensors").write_bytes(b"being written")
+    hours_ago = time.time() - 3700
+    for p in (old_container / "rank-00000-00000.safetensors", old_container, tmp_path / (old_container.name + ".busy"),
+              live):
+        os.utime(p, (hours_ago, hours_ago))  # the live save's folder is old, but its file was just written
+    Checkpointer(tmp_path, timeout=60)
+    assert sorted(os.listdir(tmp_path)) == [live.name]
+    waiting = tmp_path / tmp_name(11, pid=3, host=host_name() + "z")  # rank 0 waiting for slow ranks
+    waiting.mkdir()
+    os.utime(waiting, (hours_ago, hours_ago))
+    Checkpointer(tmp_path, timeout=3600)  # within twice the timeout a waiting save is not idle: kept
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, waiting.name])
+    Checkpointer(tmp_path, timeout=60)
+    assert sorted(os.listdir(tmp_path)) == [live.name]
 
 
 def test_every_dtype_and_shared_views_in_extra(tmp_path):

@@ -460,10 +460,14 @@ class Checkpointer:
                 else:
                     os.rename(os.path.join(self.root, name), final)
                 continue
-            # .tmp-step-<step>-h<host>-p<pid>-<nonce>: only this host's saves whose process is gone (another
-            # node's save in progress on a shared filesystem is never touched)
+            # .tmp-step-<step>-h<host>-p<pid>-<nonce>: this host's saves whose process is gone; another host's
+            # (a node on a shared filesystem, or this machine's previous container: another PID namespace)
+            # only once nothing in it changed for an hour (and twice the timeout), so that a save in progress
+            # is never touched
             m = re.fullmatch(r"\.tmp-step-\d+-h(\w+)-p(\d+)-[0-9a-f]+(\.busy)?", name)
-            if name.startswith(".trash-") or (m and m.group(1) == host and not distributed.pid_alive(int(m.group(2)))):
+            dead = m is not None and (not distributed.pid_alive(int(m.group(2))) if m.group(1) == host
+                                      else _idle_for(os.path.join(self.root, name)) > max(3600.0, 2 * self.timeout))
+            if name.startswith(".trash-") or dead:
                 if m and m.group(3):  # (a distributed save's marker: a file)
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(self.root, name))
@@ -778,6 +782,18 @@ def _renameat2() -> Any:
 
 _renameat2_fn = _renameat2()
 _AT_FDCWD = -100
+
+
+def _idle_for(path: str) -> float:
+    """Seconds since anything in ``path`` (a file, or a folder and its files) last changed; 0 if unknown."""
+    try:
+        newest = os.stat(path).st_mtime
+        if os.path.isdir(path):
+            for entry in os.scandir(path):
+                newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+    except OSError:
+        return 0.0
+    return time.time() - newest
 
 
 def exchange_paths(a: str, b: str) -> bool:
