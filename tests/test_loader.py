@@ -379,3 +379,36 @@ def test_persistent_epoch_left_with_batches_in_flight_then_a_full_epoch_is_exact
         assert [ids for ids, _ in got] == want
         assert all(firsts == [i % 251 for i in ids] for ids, firsts in got)  # no batch overwritten
     loader.close()
+
+
+_CHILD_COLLECTS = """
+import os
+from torchforge import DataLoader
+
+it = iter(DataLoader(list(range(64)), batch_size=1, num_workers=2, multiprocessing_context="fork"))
+first = next(it)
+before = [p.pid for p in it._workers]
+pid = os.fork()
+if pid == 0:  # what a forked worker's garbage collector does to the parent's garbage iterator
+    it._res.finalizer()
+    os._exit(0)
+os.waitpid(pid, 0)
+rest = [int(b) for b in it]
+assert [int(first)] + rest == list(range(64))
+assert [p.pid for p in it._workers] == before, "the parent's workers were stopped"
+print("ok")
+"""
+
+
+def test_a_forked_childs_collector_never_shuts_down_the_parents_workers():
+    """A worker forked while a failed epoch's iterator was still garbage (a cycle through its traceback)
+    ran that iterator's shutdown when its own collector met it: it told the parent's workers to stop
+    through the inherited pipes and failed to join them ("can only join a child process" on stderr,
+    hundreds of lines over a long run). The shutdown now belongs to the process that made the iterator."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _CHILD_COLLECTS], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    assert "exited unexpectedly" not in proc.stderr and "can only join" not in proc.stderr, proc.stderr[-2000:]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import threading
 import time
 import weakref
@@ -53,12 +54,18 @@ class Resources:
         self.workers = WorkerPool(loader.num_workers, loader._context(), spec)
         self.stop = threading.Event()  # tells the receiver thread to end
         self.threads: list[threading.Thread] = []  # the receiver thread, joined at shutdown
-        self.finalizer = weakref.finalize(self, _shutdown, self.workers, self.pool, shared is None, self.stage,
-                                          self.tasks, self.ready, self.stale, self.stop, self.threads)
+        self.finalizer = weakref.finalize(self, _shutdown, os.getpid(), self.workers, self.pool, shared is None,
+                                          self.stage, self.tasks, self.ready, self.stale, self.stop, self.threads)
 
 
-def _shutdown(workers: WorkerPool, pool: SlabPool, own_pool: bool, stage: DeviceStage, tasks: dict,
+def _shutdown(owner: int, workers: WorkerPool, pool: SlabPool, own_pool: bool, stage: DeviceStage, tasks: dict,
               ready: dict, stale: dict, stop: threading.Event, threads: list[threading.Thread]) -> None:
+    if os.getpid() != owner:
+        # A forked child (another loader's worker) whose garbage collector met this process's garbage
+        # iterator: its workers, pipes and slabs are the parent's, which shuts them down itself. Touching
+        # them here told the parent's workers to stop and failed to join them ("can only join a child
+        # process"), leaving the parent's iterator with workers it could no longer account for.
+        return
     stop.set()
     workers.close()  # first: no worker writes into a slab after this
     for t in threads:  # the thread holds the pools until it ends: join it, so that shutdown frees them now
