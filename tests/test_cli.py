@@ -56,6 +56,28 @@ def test_convert_jinx_to_mds_refuses_up_front_naming_the_field(fixture_copy, tmp
     assert not os.path.exists(dst) or not os.listdir(dst)  # nothing written
 
 
+@pytest.mark.parametrize(("to", "wrong", "right"), [("mds", "shard_size", "size_limit"),
+                                                    ("jinx", "size_limit", "shard_size"),
+                                                    ("safetensors", "shard_size", "max_shard_size")])
+def test_convert_names_an_option_the_target_writer_does_not_take_and_lists_its_options(
+        fixture_copy, tmp_path, capsys, to, wrong, right):
+    """-o shard_size=... (the help's example) with --to mds was a TypeError from MDSWriter's constructor,
+    after the source had been read for MDS's columns."""
+    src = fixture_copy("mds-streaming-none")
+    dst = str(tmp_path / "out")
+    if to == "safetensors":
+        src = str(tmp_path / "t")
+        import torch
+
+        from torchforge.datasets.safetensors import SafetensorsShardWriter
+        with SafetensorsShardWriter(src) as w:
+            w.write({"x": torch.arange(3)})
+    assert main(["convert", src, dst, "--to", to, "-q", "-o", f"{wrong}=4096"]) == 1
+    err = capsys.readouterr().err
+    assert f"takes no option '{wrong}'" in err and right in err and "Error:" in err, err
+    assert not os.path.exists(dst)
+
+
 def test_convert_jsonl_skips_malformed_lines(tmp_path, capsys):
     src = tmp_path / "rows.jsonl"
     lines = [orjson.dumps({"id": i, "text": "x" * i}) for i in range(30)]
@@ -101,7 +123,7 @@ def test_convert_errors_are_one_line_with_no_traceback(tmp_path, fixture_copy, c
     src = fixture_copy("mds-streaming-none")
     (tmp_path / "afile").write_text("x")
     for argv, code, says in (
-            (["--to", "jinx", "-o", "bogus=1"], 1, "unexpected keyword argument 'bogus'"),
+            (["--to", "jinx", "-o", "bogus=1"], 1, "takes no option 'bogus'"),
             (["--to", "mds", "--columns", "{bad"], 2, "--columns is not JSON"),
             (["--to", "mds", "--columns", '{"id": "str"}'], 1, "encoding 'str'"),
     ):

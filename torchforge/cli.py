@@ -432,7 +432,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("dst")
     c.add_argument("--to", required=True, choices=["jinx", "mds", "safetensors"])
     c.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a writer option, e.g. -o compression=zst -o shard_size=67108864")
+                   help="a writer option, e.g. -o compression=zst -o shard_size=67108864 (jinx; "
+                        "mds: size_limit, safetensors: max_shard_size)")
     c.add_argument("--columns", help="MDS columns as JSON, e.g. '{\"id\": \"int\"}' (default: inferred)")
     c.add_argument("--overwrite", action="store_true", help="replace DST if it exists (a URL: its objects)")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

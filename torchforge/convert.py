@@ -6,6 +6,7 @@ target format's writer. Malformed JSONL lines are skipped, counted and reported,
 from __future__ import annotations
 
 import gzip
+import inspect
 import io
 import logging
 import os
@@ -281,14 +282,27 @@ class _TensorRows:
         return self.writer.__exit__(*exc)
 
 
+def _check_options(to: str, cls: type, options: dict[str, Any], taken: tuple[str, ...]) -> None:
+    """A ValueError naming the options ``cls`` (the target's writer) does not take, and those it does."""
+    params = inspect.signature(cls).parameters
+    known = sorted(k for k, p in params.items()
+                   if k not in taken and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+    wrong = sorted(k for k in options if k not in known and k != "columns")
+    if wrong:
+        raise ValueError(f"the {to} writer ({cls.__name__}) takes no option {', '.join(map(repr, wrong))}; its "
+                         f"options: {', '.join(known)}")
+
+
 def _writer(to: str, dst: str, start_pass: Callable[[ConversionStats], Iterable[Any]], options: dict[str, Any]):
     if to == "jinx":
         from torchforge.formats.jinx import JinxWriter
 
+        _check_options(to, JinxWriter, options, ("path",))
         return JinxWriter(dst, **options)
     if to == "mds":
         from torchforge.formats.mds import MDSWriter
 
+        _check_options(to, MDSWriter, options, ("out",))
         columns = options.pop("columns", None) or infer_mds_columns(start_pass(ConversionStats()))
         if not columns:
             raise FormatError("the source holds no samples to infer MDS columns from: give them (columns=, "
@@ -297,6 +311,7 @@ def _writer(to: str, dst: str, start_pass: Callable[[ConversionStats], Iterable[
     if to == "safetensors":
         from torchforge.datasets.safetensors import SafetensorsShardWriter
 
+        _check_options(to, SafetensorsShardWriter, options, ("out",))
         n = 0
         for n, sample in enumerate(start_pass(ConversionStats()), 1):  # refuse before writing anything
             _tensor_row(sample, n - 1)
