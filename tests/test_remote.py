@@ -57,7 +57,8 @@ def _put(endpoint: str, path: str, data: bytes | None = None) -> None:
 
 class FaultProxy:
     """A ThreadingHTTPServer forwarding to ``upstream``; ``faults`` is a list of actions taken by the next
-    GET requests, one each ("503", "429", "403", "reset", "truncate", "ok"); ``delay`` slows each body."""
+    GET requests, one each ("503", "429", "403", "reset", "truncate", "flip", "ok"; "flip": the whole body,
+    every 7th byte from the middle on flipped); ``delay`` slows each body."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.split("://", 1)[1]
@@ -113,6 +114,8 @@ class FaultProxy:
                     self.close_connection = True
                     self.connection.close()
                     return
+                if fault == "flip":  # damaged on the way, length intact (no TLS to catch it)
+                    data = bytes(b ^ 0x5A if i >= len(data) // 2 and i % 7 == 0 else b for i, b in enumerate(data))
                 for i in range(0, len(data), 64 * 1024):
                     if proxy.delay:
                         time.sleep(proxy.delay)
@@ -1062,6 +1065,36 @@ def test_remote_loader_resumes_at_the_exact_next_batch(env, tmp_path, mode):
     second = make()
     second.load_state_dict(state)
     assert head + list(second) == full
+
+
+def test_ranges_mode_reads_bytes_damaged_on_the_way_once_more(env, tmp_path):
+    """mode="ranges": one GET whose body was damaged on the way (right length, flipped bytes) made the run die
+    with CorruptShardError at the shard's offset table, or at a sample that no longer decompressed, though
+    the next GET returns good bytes. Bytes that fail the checks are read once more; the same bytes twice
+    are the object's own (the error stands). (Damaged bytes that still decode are served as they are: ranges
+    cannot be checked against a shard's hash; mode="shards" checks it where index.json records one.)"""
+    import torchforge
+
+    _client, proxy, put = env
+    rows = [{"id": i, "blob": bytes([i % 251]) * (200 + i)} for i in range(40)]
+    _put_mds(put, tmp_path / "src", "ds/flips", rows, size_limit=1 << 13, compression="sample::zstd")
+    url = f"s3://{BUCKET}/ds/flips"
+    ds = torchforge.open_dataset(url, mode="ranges", cache_dir=tmp_path / "c", storage_options=_via(proxy))
+    proxy.reset()
+    proxy.faults = ["flip"]  # the offset table's GET
+    sample = ds[3]
+    assert int(sample["id"]) == 3 and bytes(sample["blob"]) == rows[3]["blob"]
+    assert len(proxy.gets) == 3 and proxy.faults == []  # the table twice, then the sample
+    proxy.reset()
+    proxy.faults = ["flip"]  # a sample's GET: its zstd frame no longer decodes
+    assert [int(s["id"]) for s in ds.__getitems__([5, 6, 7])] == [5, 6, 7]
+    assert len(proxy.gets) == 2
+    fresh = torchforge.open_dataset(url, mode="ranges", cache_dir=tmp_path / "c", storage_options=_via(proxy))
+    proxy.reset()
+    proxy.faults = ["flip", "flip"]  # damaged twice alike: taken as the object's own bytes, a typed error
+    with pytest.raises(torchforge.errors.CorruptShardError) as e:
+        fresh[0]
+    assert e.value.path == f"{url}/shard.00000.mds" and len(proxy.gets) == 2, (e.value, proxy.gets)
 
 
 @pytest.mark.parametrize("mode", ["shards", "ranges"])

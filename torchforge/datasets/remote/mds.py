@@ -13,7 +13,7 @@ from typing import Any
 
 from torchforge.datasets.mds import MDSDataset
 from torchforge.datasets.remote.shards import _RemoteShards, as_urls
-from torchforge.errors import CorruptShardError
+from torchforge.errors import CorruptShardError, TorchforgeError
 from torchforge.formats.mds import INDEX_BASENAME
 from torchforge.formats.mds_reader import SampleDecoder, ShardMeta
 from torchforge.remote import RemoteAccessError, RemoteChangedError
@@ -151,17 +151,16 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
             head = 4 + 4 * (m.samples + 1)
             span = [(0, min(head, m.raw_bytes))]
             client = client or self._client()
-            (data,) = (self._download_read(client, k, span) if early
-                       else client.get_ranges(url, span, etag=self._etags.get(url),
-                                              storage_options=self.storage_options))
-            if len(data) < head or struct.unpack_from("<I", data)[0] != m.samples:
-                raise CorruptShardError(f"the shard's header does not hold {m.samples} samples as index.json "
-                                        "says", path=url, offset=0)
-            offs = list(struct.unpack_from(f"<{m.samples + 1}I", data, 4))
-            if not (head <= offs[0] and offs[-1] == m.raw_bytes
-                    and all(a <= b for a, b in itertools.pairwise(offs))):
-                raise CorruptShardError("the shard's sample offsets are out of order or outside the shard",
-                                        path=url, offset=4)
+            for again in (False, True):  # bytes that fail the checks are read once more (a fault on the way)
+                (data,) = (self._download_read(client, k, span) if early
+                           else client.get_ranges(url, span, etag=self._etags.get(url),
+                                                  storage_options=self.storage_options))
+                try:
+                    offs = _offsets(data, m, head, url)
+                    break
+                except CorruptShardError:
+                    if early or again:  # (a download's bytes are what the next read gets too)
+                        raise
             self._offsets[k] = offs
         return offs
 
@@ -196,8 +195,19 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         out: list[Any] = [None] * len(indices)
         for k, rows in by_shard.items():
             offs = self._offsets[k]
-            for pos, j in rows:
-                out[pos] = self._decode(k, j, got[k].get(offs[j], offs[j + 1]))
+            try:
+                for pos, j in rows:
+                    out[pos] = self._decode(k, j, got[k].get(offs[j], offs[j + 1]))
+            except TorchforgeError:
+                if early:
+                    raise
+                # read once more: bytes damaged on the way decode the second time; the same bytes twice
+                # are the object's own, and the error stands
+                again = self._read_spans([k], spans)[k]
+                if all(again.get(offs[j], offs[j + 1]) == got[k].get(offs[j], offs[j + 1]) for _, j in rows):
+                    raise
+                for pos, j in rows:
+                    out[pos] = self._decode(k, j, again.get(offs[j], offs[j + 1]))
         return out
 
     def _get(self, i: int) -> Any:
@@ -284,6 +294,18 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         state = self._remote_state(super().__getstate__())
         state["_decoders"] = {}  # struct.Structs do not pickle; each process makes its own
         return state
+
+
+def _offsets(data: bytes, m: ShardMeta, head: int, url: str) -> list[int]:
+    """A shard's sample offsets from its first ``head`` bytes, checked against its index entry."""
+    if len(data) < head or struct.unpack_from("<I", data)[0] != m.samples:
+        raise CorruptShardError(f"the shard's header does not hold {m.samples} samples as index.json says",
+                                path=url, offset=0)
+    offs = list(struct.unpack_from(f"<{m.samples + 1}I", data, 4))
+    if not (head <= offs[0] and offs[-1] == m.raw_bytes and all(a <= b for a, b in itertools.pairwise(offs))):
+        raise CorruptShardError("the shard's sample offsets are out of order or outside the shard", path=url,
+                                offset=4)
+    return offs
 
 
 def _place(src: str, dst: str) -> None:
