@@ -1097,6 +1097,44 @@ def test_ranges_mode_reads_bytes_damaged_on_the_way_once_more(env, tmp_path):
     assert e.value.path == f"{url}/shard.00000.mds" and len(proxy.gets) == 2, (e.value, proxy.gets)
 
 
+@pytest.mark.parametrize("fmt", ["jinx", "safetensors"])
+def test_a_footer_or_header_damaged_on_the_way_is_read_once_more_when_the_dataset_opens(env, tmp_path, fmt):
+    """A JINX shard's footer and a safetensors shard's header are read by ranges when the dataset opens (any
+    mode): one GET damaged on the way made open_dataset fail; it is read once more, and damage that comes
+    back alike is the object's own (a typed error naming the shard)."""
+    import torch
+
+    import torchforge
+    from torchforge.formats.jinx import JinxWriter
+
+    _client, proxy, put = env
+    local = tmp_path / f"{fmt}-src"
+    if fmt == "jinx":
+        with JinxWriter(local, shard_size=1 << 12, compression=None) as w:
+            for i in range(50):
+                w.write({"id": i, "text": f"sample {i} " * 8})
+        _upload_folder(put, str(local), f"flips/{fmt}")
+    else:
+        _put_columns(put, local, f"flips/{fmt}", 20, ({"x": torch.full((30,), float(i))} for i in range(50)))
+    url, suffix = f"s3://{BUCKET}/flips/{fmt}", f".{fmt}"
+
+    def opened(cache: str):
+        return torchforge.open_dataset(url, mode="ranges", cache_dir=tmp_path / cache, storage_options=_via(proxy))
+
+    proxy.reset()
+    clean = opened("clean")
+    first = next(n for n, (path, rng) in enumerate(proxy.gets) if path.endswith(suffix) and rng)
+    proxy.reset()
+    proxy.faults = ["ok"] * first + ["flip"]
+    ds = opened("once")
+    assert len(ds) == len(clean) == 50 and proxy.faults == []
+    proxy.reset()
+    proxy.faults = ["ok"] * first + ["flip"] * 100  # (footers are read in parallel: every one damaged)
+    with pytest.raises((torchforge.errors.CorruptShardError, torchforge.errors.FormatError)) as e:
+        opened("twice")
+    assert e.value.path.startswith(url) and e.value.path.endswith(suffix), e.value
+
+
 @pytest.mark.parametrize("mode", ["shards", "ranges"])
 def test_an_epoch_under_injected_faults_equals_a_fault_free_one(env, tmp_path, mode):
     """5% 503, 2% resets mid-body, 1% truncated bodies: the same samples in the same order, and every file

@@ -11,7 +11,7 @@ import numpy as np
 import orjson
 
 from torchforge.datasets.jinx import JinxDataset, check_chain, next_name
-from torchforge.datasets.remote.shards import _RemoteShards, _Spans, as_urls
+from torchforge.datasets.remote.shards import _RemoteShards, _Spans, as_urls, read_twice
 from torchforge.errors import CorruptShardError, FormatError, TorchforgeError
 from torchforge.formats.jinx_reader import LINE_PARSER, JinxShard
 from torchforge.lazy import lazy_sample
@@ -85,7 +85,7 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
             either mode: a footer lying about the count would size the dataset). Shards open ``READERS`` at
             a time: a footer and an index are a round trip each."""
             u, size, etag = listed[name]
-            footer, foot = _jinx_footer(client, u, size, etag, self.storage_options)
+            footer, foot = read_twice(lambda: _jinx_footer(client, u, size, etag, self.storage_options))
             shard_split = footer.get("split") if isinstance(footer.get("split"), str) else None
             objs: list[tuple[str, int, str | None, dict[str, str] | None]] = [(u, size, etag, None)]
             side = listed.get(name[:-len(".jinx")] + ".binx")

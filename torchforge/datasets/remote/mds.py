@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchforge.datasets.mds import MDSDataset
-from torchforge.datasets.remote.shards import _RemoteShards, as_urls
+from torchforge.datasets.remote.shards import _RemoteShards, as_urls, read_twice
 from torchforge.errors import CorruptShardError, TorchforgeError
 from torchforge.formats.mds import INDEX_BASENAME
 from torchforge.formats.mds_reader import SampleDecoder, ShardMeta
@@ -151,16 +151,13 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
             head = 4 + 4 * (m.samples + 1)
             span = [(0, min(head, m.raw_bytes))]
             client = client or self._client()
-            for again in (False, True):  # bytes that fail the checks are read once more (a fault on the way)
-                (data,) = (self._download_read(client, k, span) if early
-                           else client.get_ranges(url, span, etag=self._etags.get(url),
-                                                  storage_options=self.storage_options))
-                try:
-                    offs = _offsets(data, m, head, url)
-                    break
-                except CorruptShardError:
-                    if early or again:  # (a download's bytes are what the next read gets too)
-                        raise
+            if early:  # (a download's bytes are what a second read would get too)
+                (data,) = self._download_read(client, k, span)
+                offs = _offsets(data, m, head, url)
+            else:
+                offs = read_twice(lambda: _offsets(client.get_ranges(url, span, etag=self._etags.get(url),
+                                                                     storage_options=self.storage_options)[0],
+                                                   m, head, url))
             self._offsets[k] = offs
         return offs
 

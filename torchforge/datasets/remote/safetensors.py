@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchforge.datasets.remote.shards import _RemoteShards, _Spans, as_urls
+from torchforge.datasets.remote.shards import _RemoteShards, _Spans, as_urls, read_twice
 from torchforge.datasets.safetensors import OFFSETS, SafetensorsDataset, check_offsets, check_whole
 from torchforge.errors import FormatError
 from torchforge.formats.safetensors import MAX_HEADER_SIZE, SafetensorsFile, parse_header, storage_shape
@@ -63,15 +63,18 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
         self._remote_objs = []
         self._heads: list[tuple[int, dict[str, Any]]] = []  # (data start, header entries) per shard
         metas = []
-        for name in names:
-            u, size, etag = listed[name]
+        def header(u: str, size: int, etag: str | None) -> tuple[int, Any, Any]:
             (head,) = client.get_ranges(u, [(0, min(8, size))], etag=etag, storage_options=self.storage_options)
             if len(head) == 8:
                 (n,) = struct.unpack("<Q", head)
                 if n <= MAX_HEADER_SIZE and 8 + n <= size:
                     (rest,) = client.get_ranges(u, [(8, 8 + n)], etag=etag, storage_options=self.storage_options)
                     head += rest
-            n, infos, meta = parse_header(head, size, u)
+            return parse_header(head, size, u)
+
+        for name in names:
+            u, size, etag = listed[name]
+            n, infos, meta = read_twice(lambda u=u, size=size, etag=etag: header(u, size, etag))
             self._add_shard(infos, meta, columns, u)
             metas.append(meta)
             self._remote_objs.append([(u, size, etag, None)])

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from torchforge._limits import ensure_open_files
-from torchforge.errors import TorchforgeError
+from torchforge.errors import CorruptShardError, FormatError, TorchforgeError
 from torchforge.remote import FetcherClient, RemoteCorruptError, RemoteNotFoundError, connect
 from torchforge.sizes import parse_size
 
@@ -54,6 +54,17 @@ def as_urls(names: Mapping[str, str]) -> Iterator[None]:
             e.path = names[e.path]
             e.args = (str(e),)
         raise
+
+
+
+def read_twice(fn: Callable[[], Any]) -> Any:
+    """``fn()``, a read of bytes over the network and their checks, once more if the checks fail: bytes
+    damaged on the way (the right length, over plain HTTP) pass the second time; the same failure twice
+    stands."""
+    try:
+        return fn()
+    except (CorruptShardError, FormatError):
+        return fn()
 
 
 class _RemoteShards:
