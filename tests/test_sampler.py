@@ -487,3 +487,25 @@ def test_callable_string_sort_matches_array_sort(keys, descending, shard_dataset
     by_array = list(GlobalSampler(len(keys), shuffle=False, sort_key=np.array(keys, dtype=str),
                                   descending=descending))
     assert by_fn == by_array
+
+
+@pytest.mark.parametrize("fmt", ["jinx", "mds"])
+def test_a_sort_key_field_one_sample_lacks_names_that_sample_and_its_fields(tmp_path, fmt):
+    """KeyError "sample has no field 'len'" said neither which sample of a million nor what it holds."""
+    import torchforge
+    from torchforge.formats.mds import MDSWriter
+
+    rows = [{"id": i, "len": i} if i != 4 else {"id": i} for i in range(10)]
+    if fmt == "jinx":
+        with torchforge.JinxWriter(tmp_path / "d") as w:
+            for r in rows:
+                w.write(r)
+    else:  # MDS has one set of columns: the field is missing from the dataset (every sample)
+        with MDSWriter(str(tmp_path / "d"), {"id": "int"}) as w:
+            for r in rows:
+                w.write({"id": r["id"]})
+    ds = torchforge.open_dataset(str(tmp_path / "d"))
+    with pytest.raises(KeyError) as e:
+        GlobalSampler(ds, sort_key="len")
+    at = 4 if fmt == "jinx" else 0
+    assert f"sample {at} has no field 'len' (its fields: ['id'])" in str(e.value), e.value

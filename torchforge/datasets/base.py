@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import itertools
 import logging
 import os
 import tempfile
@@ -94,8 +95,17 @@ class ShardDataset(torch.utils.data.Dataset):
                 log.warning("ignoring key cache %s of shape %s for %d samples", cache_path, arr.shape, len(self))
             except (OSError, ValueError) as e:
                 log.warning("ignoring unreadable key cache %s: %s", cache_path, e)
-        parts = field_or_fn.split(".")
-        arr = _to_key_array(self.key_values(lambda s: _dig(s, parts, field_or_fn)))  # the format's cheapest pass
+        parts, at = field_or_fn.split("."), itertools.count()
+
+        def key(sample: Any) -> Any:  # (key_values goes through the samples in order: ``at`` is the index)
+            i = next(at)
+            try:
+                return _dig(sample, parts, field_or_fn)
+            except KeyError:
+                fields = sorted(map(str, sample)) if isinstance(sample, Mapping) else type(sample).__name__
+                raise KeyError(f"sample {i} has no field {field_or_fn!r} (its fields: {fields})") from None
+
+        arr = _to_key_array(self.key_values(key))  # the format's cheapest pass
         if cache_path:
             _save_atomic(cache_path, arr)
         return arr
