@@ -10,6 +10,9 @@ Saving (``Checkpointer.save`` on every rank of an initialized process group, glo
    of DTensors; replicated tensors are written once, spread over the ranks largest first onto the rank
    with the fewest bytes so far, and a replicated tensor larger than a rank's fair share is cut into
    row ranges so that no rank writes much more than the mean. ``extra`` (global state) is rank 0's.
+   A rank that cannot take its state (a value that cannot be stored) says so in the plan's collective,
+   and every rank raises at once; one whose snapshot fails after the plan leaves its error file for
+   the others (below).
 3. Each rank writes its safetensors files (checksummed, fsynced) into the step's temporary folder
    ``.tmp-step-<step>-h<host>-p<pid of rank 0>-<nonce>`` (host and pid: a node never deletes another
    node's save in progress on a shared filesystem), then its ``rank-<k>.json`` (its slices, its files'
@@ -17,7 +20,9 @@ Saving (``Checkpointer.save`` on every rank of an initialized process group, glo
 4. Rank 0 waits for every rank's JSON (or a rank's error file, or the timeout), writes
    ``manifest.json`` last (JSON only: every tensor's global shape and dtype and which file and byte
    range holds which slice; every file's size and block digests), fsyncs, renames the folder into
-   place and fsyncs the root. The other ranks wait until the step is visible. A step is complete or
+   place and fsyncs the root. The other ranks return once rank 0 is done with the step (committed,
+   older steps pruned, the export written): until then ``<temporary folder>.busy`` is beside it, and
+   an error after the commit is written into it for every rank to raise. A step is complete or
    absent; a rank that dies mid-save leaves the previous steps intact, and the others raise
    :class:`~torchforge.errors.CheckpointError` within the timeout instead of hanging.
 
