@@ -152,6 +152,7 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         self._start = 0  # global position (node position with shard_affinity) where the current pass starts
         self._yielded = 0  # indices yielded by the current pass, up to the live iterator's chunk
         self._live: tuple[int, int, Iterator[int]] | None = None  # (base, chunk length, chunk iterator)
+        self._ended = False  # the current pass ran to its end (an empty one too): the next begins anew
         self._cached_order: tuple[int, EpochOrder] | None = None
         self._cached_block: tuple[tuple[int, int, int], np.ndarray] | None = None
 
@@ -166,7 +167,7 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         if epoch < 0:
             raise SamplerError(f"{epoch=} must be >= 0")
         if epoch != self.epoch:
-            self.epoch, self._start, self._yielded, self._live = epoch, 0, 0, None
+            self.epoch, self._start, self._yielded, self._live, self._ended = epoch, 0, 0, None, False
 
     def __len__(self) -> int:
         """How many indices this rank yields in the current pass (the whole epoch unless resumed)."""
@@ -252,8 +253,11 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         """
         return self.state_at(self._current_yielded())
 
-    def state_at(self, yielded: int) -> dict[str, Any]:
-        """The state after this rank has yielded ``yielded`` indices of the current pass."""
+    def state_at(self, yielded: int, *, ended: bool = False) -> dict[str, Any]:
+        """The state after this rank has yielded ``yielded`` indices of the current pass; ``ended``: and its
+        consumer saw the pass end (the next pass after loading the state begins the epoch anew, as the next
+        pass of the saved run would have; without it, a state at the end of the pass resumes an empty
+        remainder)."""
         yielded = min(max(int(yielded), 0), len(self))
         aff = self._affinity
         if aff is None:
@@ -269,6 +273,7 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
             "rank": self.rank,
             "n": self.n,
             "order": self._fingerprint(),
+            **({"ended": True} if ended else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -309,6 +314,7 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         if self._affinity is not None:
             self._affinity.check_position(position)
         self.epoch, self._start, self._yielded, self._live = epoch, position, 0, None
+        self._ended = state.get("ended") is True
 
     def __getstate__(self) -> dict[str, Any]:
         # for DataLoader workers: the live iterator is folded into the count; caches are rebuilt
@@ -324,9 +330,9 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         return left // self.world_size if self.drop_last else -(-left // self.world_size)
 
     def _begin_pass(self) -> int:
-        if self._yielded or self._live is not None:  # the previous pass started: begin the epoch anew
-            self._start = 0
-        self._yielded, self._live = 0, None
+        if self._yielded or self._live is not None or self._ended:  # the previous pass started (or ended
+            self._start = 0  # empty, at the end of a loaded state): begin the epoch anew
+        self._yielded, self._live, self._ended = 0, None, False
         return self._start
 
     def _current_yielded(self) -> int:
@@ -341,7 +347,7 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
             it = iter(block)
             self._live = (lo, len(block), it)
             yield from it
-        self._live, self._yielded = None, count
+        self._live, self._yielded, self._ended = None, count, True
 
     def _arrays(self, start: int, count: int, size: int) -> Iterator[np.ndarray]:
         for lo in range(0, count, size):
@@ -349,6 +355,7 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
             block = self._at(start, np.arange(lo, hi, dtype=np.int64))
             self._yielded = hi
             yield block
+        self._ended = True
 
     def _block(self, b: int) -> np.ndarray:
         key = (self.epoch, self._start, b)
@@ -639,9 +646,10 @@ class IterableShards(torch.utils.data.IterableDataset):
         """Forwarded to the sampler (call it before creating the loader's iterator)."""
         self.sampler.set_epoch(epoch)
 
-    def state_at(self, consumed: int) -> dict[str, Any]:
-        """The sampler state after ``consumed`` samples of this pass came out of the loader."""
-        return self.sampler.state_at(consumed)
+    def state_at(self, consumed: int, *, ended: bool = False) -> dict[str, Any]:
+        """The sampler state after ``consumed`` samples of this pass came out of the loader (see
+        :meth:`GlobalSampler.state_at`)."""
+        return self.sampler.state_at(consumed, ended=ended)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the sampler (from :meth:`state_at` or ``GlobalSampler.state_dict``)."""

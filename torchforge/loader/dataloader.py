@@ -78,6 +78,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.seed_per_batch = bool(seed_per_batch)
         self.skipped = 0  #: samples left out under on_error="skip", over the loader's lifetime
         self._resume: dict[str, Any] | None = None
+        self._epoch_at_load: int | None = None  # the sampler's epoch when a pending state was loaded
         self._carried_seed: tuple[int, int] | None = None  # persistent workers resumed at a pass boundary:
         # (base seed, passes made under it)
         self._slabs: Any = None  # see _slab_pool
@@ -157,10 +158,24 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                              f"{str(state)[:200]}") from None
         if version not in (1, STATE_VERSION):
             raise ValueError(f"DataLoader state version {version} is not 1 or {STATE_VERSION}")
+        target = sampler_of(self)
+        saved = state["sampler"]
+        if saved is not None and self._dataset_kind != _DatasetKind.Iterable and not callable(
+                getattr(target, "load_state_dict", None)):
+            raise ValueError(f"the state holds a sampler state ({str(saved)[:120]}), but this loader's "
+                             f"{type(target).__name__} cannot load one: build the loader with the sampler the "
+                             "state was saved with (a GlobalSampler's, say)")
+        if state.get("extra") and isinstance(saved, dict) and "world_size" in saved and \
+                saved["world_size"] != getattr(target, "world_size", saved["world_size"]):
+            raise ValueError(f"the state was saved at world size {saved['world_size']} with batches yielded out "
+                             f"of order (in_order=False: batches {state['extra'][:8]} ahead of batch "
+                             f"{state['batches']}); it resumes at that world size only, not at "
+                             f"{target.world_size}")
         if state["dataset"] is not None:
             self.dataset.load_state_dict(state["dataset"])
         if not finished:
             self._resume = dict(state)
+            self._epoch_at_load = getattr(target, "epoch", None)
             return
         self._resume = None
         if self.persistent_workers and self.num_workers > 0 and state["base_seed"] is not None:

@@ -93,7 +93,16 @@ class _Iter(_BaseDataLoaderIter):
     # --- a pass ----------------------------------------------------------------------------------------
     def _begin_pass(self, loader: Any, first: bool) -> None:
         resume = loader._take_resume()
-        target = sampler_of(loader)
+        target = self._sampler_target = sampler_of(loader)
+        saved = resume.get("sampler") if resume is not None and not self._iterable else None
+        if isinstance(saved, dict) and isinstance(saved.get("epoch"), int):
+            now = getattr(target, "epoch", None)
+            if isinstance(now, int) and now != saved["epoch"] and now != loader._epoch_at_load:
+                # set_epoch() moved the sampler to another epoch since the state was loaded: that epoch
+                # begins at its start (set_epoch's rule); the state's pass of the saved epoch is not resumed
+                warnings.warn(f"the loader state loaded for epoch {saved['epoch']} was not resumed: the sampler "
+                              f"was set to epoch {now} since, which begins at its start", stacklevel=3)
+                resume = None
         if resume is not None and resume["sampler"] is not None and not self._iterable:
             target.load_state_dict(resume["sampler"])
         gens = generators(loader)
@@ -167,6 +176,8 @@ class _Iter(_BaseDataLoaderIter):
         self._pos.batches = self._seq = int(resume["batches"])
         self._pos.extra = set(resume.get("extra", []))
         self._pos.samples = int(resume["samples"])
+        if resume["sampler"] is not None and callable(getattr(self._sampler_target, "state_at", None)):
+            self._pos.base = self._pos.samples  # the sampler resumed there: its own count starts at 0
         self._num_yielded = self._pos.batches + len(self._pos.extra)
         workers = resume.get("workers") or []
         if workers:
@@ -256,24 +267,30 @@ class _Iter(_BaseDataLoaderIter):
     def _commit(self, info: tuple) -> None:
         """The batch described by ``info`` reaches the user: advance the position."""
         seq, n_indices, worker, reply = info
-        self._note_done(seq)
+        self._note_done(seq, n_indices)
         self._pos.assigned = self._pending_workers()
         self._pos.next_worker = self._rr
-        self._pos.samples += n_indices
         if reply is not None:
             if reply.state is not None:
                 self._pos.worker_state[worker] = reply.state
             self._pos.drawn[worker] += reply.count
 
-    def _note_done(self, seq: int) -> None:
-        """Batch ``seq`` was yielded or consumed (an error, an empty batch): move the position."""
-        if seq == self._pos.batches:
-            self._pos.batches += 1
-            while self._pos.batches in self._pos.extra:
-                self._pos.extra.discard(self._pos.batches)
-                self._pos.batches += 1
+    def _note_done(self, seq: int, n_indices: int = 0) -> None:
+        """Batch ``seq``, of ``n_indices`` sampler indices, was yielded (or consumed: an error, an empty
+        batch, counting none): move the position. ``samples`` counts the in-order prefix only: with
+        ``in_order=False`` a batch yielded ahead is counted when the prefix reaches it (the sampler's
+        position is the prefix's; a slower batch before it was not yielded yet)."""
+        pos = self._pos
+        if seq == pos.batches:
+            pos.batches += 1
+            pos.samples += n_indices
+            while pos.batches in pos.extra:
+                pos.extra.discard(pos.batches)
+                pos.samples += pos.ahead.pop(pos.batches, 0)
+                pos.batches += 1
         else:
-            self._pos.extra.add(seq)
+            pos.extra.add(seq)
+            pos.ahead[seq] = n_indices
 
     def _count(self, index: Any) -> int:
         if self._iterable:
@@ -322,7 +339,8 @@ class InProcessIter(_Iter):
                 raise StopIteration
             seq = self._seq
             self._seq += 1
-            if seq in self._pos.extra:
+            if seq in self._pos.extra:  # yielded before the state was saved (in_order=False)
+                self._pos.ahead[seq] = self._count(index)
                 continue
             try:
                 if loader.seed_per_batch:
@@ -429,8 +447,9 @@ class WorkerIter(_Iter):
                 return
             seq = self._seq
             self._seq += 1
-            if seq in self._pos.extra:
-                continue  # yielded before the state was saved (in_order=False)
+            if seq in self._pos.extra:  # yielded before the state was saved (in_order=False)
+                self._pos.ahead[seq] = self._count(index)
+                continue
             sid, _ = self._res.pool.acquire()
             self._tasks[seq] = [w, index, sid, 0]
             self._send(seq)

@@ -6,7 +6,8 @@ dataset's own ``state_dict()`` return):
 - ``version``: 2 (a version 1 state, whose ``rng`` was saved before the iterator drew its base seed, still
   loads); ``finished``: the pass ran to its end (the next ``iter()`` starts a new pass);
 - ``batches``: batches yielded by the pass (``extra``: with ``in_order=False``, later batches yielded
-  ahead of that prefix); ``samples``: sampler indices those batches consumed;
+  ahead of that prefix); ``samples``: sampler indices the ``batches`` consumed (not ``extra``'s: the
+  sampler's position is the prefix's, and the resumed pass skips ``extra``'s batches);
 - ``base_seed``: the pass's worker base seed (workers seed ``base_seed + worker_id``); ``pass``: the
   passes made before this one under that base seed (persistent workers keep it from epoch to epoch;
   per-batch seeds mix it in);
@@ -24,6 +25,7 @@ dataset's own ``state_dict()`` return):
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -76,7 +78,9 @@ class Position:
         self.finished = False
         self.batches = 0  # yielded in order
         self.extra: set[int] = set()  # in_order=False: yielded beyond the position
-        self.samples = 0  # sampler indices the yielded batches consumed
+        self.samples = 0  # sampler indices the batches of the in-order prefix consumed
+        self.base = 0  # of those, the ones a resumed sampler's start already counts
+        self.ahead: dict[int, int] = {}  # in_order=False: indices of each batch in ``extra``, once known
         self.base_seed: int | None = None  # None: no pass has begun
         self.pass_no = 0  # passes made before this one under base_seed (persistent workers)
         self.rng0: dict[str, str] = {}
@@ -93,7 +97,11 @@ class Position:
         sampler_state = None
         if not iterable:
             if has_state_at:
-                sampler_state = target.state_at(self.samples)
+                if self.finished and "ended" in inspect.signature(target.state_at).parameters:
+                    # the pass was seen to its end: the next one begins the epoch anew, as the saved run's would
+                    sampler_state = target.state_at(self.samples - self.base, ended=True)
+                else:
+                    sampler_state = target.state_at(self.samples - self.base)
             elif self.finished and stateful(target):
                 sampler_state = target.state_dict()
             else:
