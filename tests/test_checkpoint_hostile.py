@@ -247,3 +247,14 @@ def test_an_optimizer_state_its_optimizer_rejects_is_a_checkpoint_error():
     with pytest.raises(CheckpointError, match="AdamW rejects the stored optimizer state") as e:
         restore_optimizer(opt, saved, "/ck/step-00000001/state.json")
     assert e.value.path == "/ck/step-00000001/state.json"
+
+
+def test_an_out_of_order_loader_state_saved_at_another_world_size_is_not_remapped(tmp_path):
+    """with in_order=False, batches yielded ahead of a rank's position are batch numbers of that world size:
+    remapped to another, they skipped the wrong batches (samples lost and repeated)."""
+    state = {"version": 2, "finished": False, "batches": 0, "extra": [1, 3], "samples": 0, "base_seed": 1,
+             "sampler": {"epoch": 0, "position": 0}, "dataset": None, "workers": [], "skip_batches": False}
+    step = _step(tmp_path, ranks=[{"loader": state}] * 2, world=2)
+    with pytest.raises(CheckpointError, match="out of order") as e:
+        Checkpointer(tmp_path).restore(1, model=_W(), loader=DataLoader(list(range(8)), batch_size=2))
+    assert e.value.path == step

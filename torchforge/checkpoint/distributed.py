@@ -1046,6 +1046,8 @@ def _loader_state(folder: str, manifest: dict[str, Any], rank: int, world: int) 
             problems.append(f"rank {r} holds a dataset state")
         if any(w.get("state") is not None for w in s.get("workers", [])):
             problems.append(f"rank {r} holds per-worker dataset states")
+        if s.get("extra"):
+            problems.append(f"rank {r} yielded batches out of order (in_order=False) ahead of its position")
     positions = {(s["sampler"]["epoch"], s["sampler"]["position"]) for s in states if not problems}
     if len(positions) > 1:
         problems.append(f"ranks stopped at different global positions {sorted(positions)}")
