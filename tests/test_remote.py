@@ -1625,7 +1625,7 @@ def test_a_jinx_dataset_at_an_http_url_is_found_by_probing_and_read_with_ranges(
     server = _serve(local, handler)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        ds = torchforge.open_dataset(url, cache_dir=tmp_path / "cache", storage_options={"allow_http": True})
+        ds = torchforge.open_dataset(url, cache_dir=tmp_path / "cache")  # http:// itself allows plain HTTP
         assert len(ds) == m["n"]
         assert server.gets and all(ranged for _, ranged in server.gets)  # opening read footers, no whole shard
         for i, exp in enumerate(rich(m["n"], m["seed"], m["tensors"])):

@@ -158,8 +158,8 @@ def store_spec(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
     if "endpoint" in opts and not str(opts["endpoint"]).lower().startswith(("http://", "https://")):
         raise ValueError(f"storage_options endpoint={opts['endpoint']!r} must be a URL starting with http:// or "
                          "https:// (e.g. 'http://127.0.0.1:9000')")
-    if "endpoint" in opts and str(opts["endpoint"]).startswith("http://"):
-        client["allow_http"] = True  # an explicit http:// endpoint says so (a local test server)
+    if ("endpoint" in opts and str(opts["endpoint"]).startswith("http://")) or scheme == "http":
+        client["allow_http"] = True  # an explicit http:// endpoint or URL says so (a local test server)
     extra = opts.pop("client_options", None)  # obstore's client options (timeouts, proxies), any scheme
     if extra is not None and not isinstance(extra, Mapping):
         raise ValueError(f"storage_options['client_options']={extra!r} must be a dict such as {{'timeout': '30s'}}")
