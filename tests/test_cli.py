@@ -334,3 +334,11 @@ def test_python_dash_m_torchforge_runs_the_cli():
     out = subprocess.run([sys.executable, "-m", "torchforge", "--help"], capture_output=True, text=True,
                          timeout=120, check=False)
     assert out.returncode == 0 and "convert" in out.stdout
+
+
+def test_verify_of_a_path_that_does_not_exist_is_a_command_error_not_damage(tmp_path, capsys):
+    """A typo in the path printed 'DAMAGED ... no such file or folder, 1 problems': it looked like damage."""
+    missing = str(tmp_path / "no-such-dataset")
+    assert main(["verify", missing]) == 1
+    out, err = capsys.readouterr()
+    assert "DAMAGED" not in out and "NotFoundError" in err and missing in err, (out, err)

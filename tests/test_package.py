@@ -17,3 +17,24 @@ def test_import_is_lazy():
             "print(sorted(m for m in ('torch', 'streaming', 'torchforge.loader') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_subpackages_the_docs_name_are_attributes_after_import_torchforge():
+    code = ("import torchforge\n"
+            "for name in ('features', 'remote', 'cache', 'lazy', 'sizes', 'streaming', 'checkpoint'):\n"
+            "    assert getattr(torchforge, name).__name__ == 'torchforge.' + name, name\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.stdout.strip() == "ok", out.stderr[-1500:]
+
+
+def test_open_dataset_checks_the_mode_of_a_file_url(tmp_path):
+    import pytest
+
+    import torchforge
+
+    with torchforge.JinxWriter(tmp_path / "j") as w:
+        w.write({"id": 1})
+    assert len(torchforge.open_dataset(f"file://{tmp_path}/j", mode="ranges")) == 1  # (read in place)
+    with pytest.raises(ValueError, match="mode='whole' must be 'shards' or 'ranges'"):
+        torchforge.open_dataset(f"file://{tmp_path}/j", mode="whole")

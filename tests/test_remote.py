@@ -1725,7 +1725,7 @@ def test_a_server_without_byte_ranges_serves_shards_whole_and_ranges_mode_says_s
         whole = sorted(p for p, ranged in server.gets if not ranged and p != "/index.json")
         assert whole == sorted(f"/{m.raw_basename}" for m in ds.metas)  # one whole GET per shard
         ranged = torchforge.open_dataset(url, mode="ranges", cache_dir=tmp_path / "cache2", **opts)
-        with pytest.raises(RemoteError, match="does not serve byte ranges: read this dataset with mode='shards'") as e:
+        with pytest.raises(RemoteError, match="does not serve byte ranges: an MDS dataset reads with mode='shards'") as e:
             ranged[0]
         assert e.value.url == f"{url}/{ds.metas[0].raw_basename}"
     finally:

@@ -49,8 +49,8 @@ __all__ = [
 ]
 
 
-_SUBMODULES = frozenset({"checkpoint", "cli", "codecs", "convert", "datasets", "errors", "formats", "loader",
-                         "sampler", "streaming"})
+_SUBMODULES = frozenset({"cache", "checkpoint", "cli", "codecs", "convert", "datasets", "errors", "features",
+                         "formats", "lazy", "loader", "remote", "sampler", "sizes", "streaming"})
 
 
 def __getattr__(name: str) -> Any:

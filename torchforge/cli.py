@@ -18,7 +18,7 @@ from typing import Any
 
 from torchforge._inspect import format_checks, format_details
 from torchforge.convert import _materialize
-from torchforge.errors import TorchforgeError
+from torchforge.errors import NotFoundError, TorchforgeError
 from torchforge.remote.url import is_remote, local_path
 
 __all__ = ["main"]
@@ -366,6 +366,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         checked, problems = verify_checkpoint(args.path)
         what = "checkpoint steps checked"
     else:
+        if local and not os.path.exists(local_path(args.path)):  # a typo, not damage: the command's error
+            raise NotFoundError("no such file or folder", path=local_path(args.path))
         checked, problems = verify_dataset(args.path, notes=notes, **_remote_options(args))
         what = "rows checked over every version" if local and is_store(args.path) else "samples decoded"
     for p in problems:

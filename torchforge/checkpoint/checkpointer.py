@@ -194,6 +194,7 @@ class Checkpointer:
                 flight: a second one waits for the first. ``wait()`` joins it.
 
         Raises:
+            ValueError: ``step`` is not an int >= 0.
             CheckpointError: a previous non-blocking save failed, or the state cannot be stored (nothing
                 of this step was committed). When the step was committed but something after it failed
                 (the folder's fsync, the export, pruning older steps) the error has ``installed=True``

@@ -220,8 +220,10 @@ _REMOTE_ONLY = ("cache_dir", "cache_limit", "cache_policy", "mode", "storage_opt
 
 def open_dataset(path: str | os.PathLike, **kwargs: Any) -> ShardDataset:
     """Open a JINX, MDS or safetensors-shard folder (or file) with the matching dataset class; a URL
-    (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``file://``) opens an MDS or JINX dataset in object
-    storage (:class:`~torchforge.datasets.remote.RemoteMDSDataset`,
+    (``s3://``, ``gs://``, ``az://``, ``http(s)://``) opens a JINX, MDS or safetensors dataset in object
+    storage, and a ``file://`` URL the local files in place, with the local classes (the URL options are
+    checked, then left out where the local class has no such option)
+    (:class:`~torchforge.datasets.remote.RemoteMDSDataset`,
     :class:`~torchforge.datasets.remote.RemoteJinxDataset`, whose options ``cache_dir``, ``cache_limit``,
     ``mode`` and ``storage_options`` it takes).
 
@@ -238,6 +240,8 @@ def open_dataset(path: str | os.PathLike, **kwargs: Any) -> ShardDataset:
             return open_remote(path, **kwargs)
         path = local_path(path)  # a file:// URL: the local files, read in place (no object store)
         file_url = True
+        if kwargs.get("mode", "shards") not in ("shards", "ranges"):
+            raise ValueError(f"mode={kwargs['mode']!r} must be 'shards' or 'ranges'")
     if not os.path.exists(path):
         raise NotFoundError("no such file or folder", path=path)
     _load_builtins()

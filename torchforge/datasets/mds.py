@@ -53,7 +53,8 @@ class MDSDataset(ShardDataset):
             pickles and collates as ``bytes``, instead of ``bytes`` copies.
 
     Raises:
-        FormatError: no or bad index.json, a shard file missing or of the wrong size, a ``pkl``
+        NotFoundError: no index.json (or no folder) at ``path``.
+        FormatError: a bad index.json, a shard file missing or of the wrong size, a ``pkl``
             column without ``allow_unsafe_types``.
     """
 

@@ -61,6 +61,7 @@ class FeatureStore:
         version: read this version rather than the newest (see :meth:`at`).
 
     Raises:
+        ValueError: ``create=True`` without a ``schema``, or a schema that is not one.
         NotFoundError: no store at ``path`` (and ``create`` is False), or no such version.
         FormatError: the schema or a manifest is malformed, or differs from ``schema``.
     """

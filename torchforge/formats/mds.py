@@ -169,6 +169,7 @@ class MDSWriter:
         exist_ok: allow a non-empty ``out`` (files of the same names are overwritten).
 
     Raises:
+        FileExistsError: ``out`` holds files already.
         FormatError: a bad column encoding, size limit or hash name; a sample that does not match its
             columns; a shard that would pass 2**32 bytes.
         CodecError: an unknown compression.

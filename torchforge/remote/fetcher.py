@@ -102,8 +102,9 @@ def _classify(e: BaseException, url: str) -> BaseException:
                                   "the pinned one): open the dataset again", url=url)
     text = str(e)
     if isinstance(e, ox.NotSupportedError) and "range" in text.lower():  # a server that answers 200 to a Range
-        return RemoteError(f"the server does not serve byte ranges: read this dataset with mode='shards' "
-                           f"(whole objects) ({_short(e)})", url=url)
+        return RemoteError(f"the server does not serve byte ranges: an MDS dataset reads with mode='shards' "
+                           f"(whole objects); JINX and safetensors datasets read their footers and headers by "
+                           f"ranges when they open, and need a server that serves them ({_short(e)})", url=url)
     if isinstance(e, (ox.GenericError, ConnectionError, TimeoutError)):
         low = _URL.sub(" ", text.lower())  # a key such as logs/status404.json says nothing about the reply
         m = _STATUS.search(low)  # "status 403" and obstore's "non-2xx status code: 403 Forbidden"
