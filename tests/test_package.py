@@ -38,3 +38,17 @@ def test_open_dataset_checks_the_mode_of_a_file_url(tmp_path):
     assert len(torchforge.open_dataset(f"file://{tmp_path}/j", mode="ranges")) == 1  # (read in place)
     with pytest.raises(ValueError, match="mode='whole' must be 'shards' or 'ranges'"):
         torchforge.open_dataset(f"file://{tmp_path}/j", mode="whole")
+
+
+def test_the_dataset_classes_show_their_own_arguments_not_their_dispatching_new():
+    """help(MDSDataset) and inspect.signature showed (*args, **kwargs): the defaults, which differ between
+    the classes (lazy=True for JINX, lazy=False and zero_copy=True for MDS), were nowhere to be seen."""
+    import inspect
+
+    from torchforge.datasets.remote import RemoteMDSDataset
+
+    mds = inspect.signature(torchforge.MDSDataset).parameters
+    assert mds["lazy"].default is False and mds["zero_copy"].default is True and "self" not in mds
+    assert inspect.signature(torchforge.JinxDataset).parameters["lazy"].default is True
+    assert "columns" in inspect.signature(torchforge.SafetensorsDataset).parameters
+    assert "cache_dir" in inspect.signature(RemoteMDSDataset).parameters  # its own, not MDSDataset's

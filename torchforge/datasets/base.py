@@ -37,6 +37,15 @@ class ShardDataset(torch.utils.data.Dataset):
 
     format_name: ClassVar[str] = ""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__ and cls.__new__ is not object.__new__:
+            # help() and inspect.signature() show __init__'s arguments, not the dispatching
+            # __new__(*args, **kwargs) a class that opens URLs too has
+            sig = inspect.signature(cls.__init__)
+            cls.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:],
+                                            return_annotation=inspect.Signature.empty)
+
     # --- to implement ------------------------------------------------------------------------------
     def __len__(self) -> int:
         raise NotImplementedError
