@@ -1357,3 +1357,27 @@ def test_values_whose_dotted_names_coincide_each_keep_their_own_tensor(tmp_path)
     got = ck.restore(1)
     assert got["x"]["a.b"].item() == 1.0 and got["x"]["a"]["b"].item() == 2.0
     assert got["y"][1].item() == 3.0 and got["y"]["1"].item() == 4.0
+
+
+def test_an_export_never_replaces_the_checkpoint_folder_or_a_step_and_a_closed_checkpointer_says_so(tmp_path):
+    """export(step, ck.path(2), overwrite=True) replaced step 2 with Hugging Face files (still listed, no longer
+    restorable); save(export_to=root) deleted every step, the one just committed included. After close() (the
+    end of a with block) restore and save raised executor's RuntimeError 'cannot schedule new futures'."""
+    root = tmp_path / "ck"
+    m, _ = _fresh()
+    with Checkpointer(root) as ck:
+        ck.save(1, model=m)
+        ck.save(2, model=m)
+        for folder in (ck.path(2), root, tmp_path, os.path.join(ck.path(1), "hf")):
+            with pytest.raises(CheckpointError, match="cannot export into"):
+                ck.export(1, folder, overwrite=True)
+        with pytest.raises(CheckpointError, match="cannot export into"):
+            ck.save(3, model=m, export_to=root)
+        assert ck.steps() == [1, 2]
+        ck.restore(2, model=_fresh()[0])
+        ck.export(1, root / "hf")  # a plain folder of its own inside the checkpoint folder is fine
+        assert ck.steps() == [1, 2]
+    with pytest.raises(CheckpointError, match="closed"):
+        ck.restore(1, model=_fresh()[0])
+    with pytest.raises(CheckpointError, match="closed"):
+        ck.save(3, model=m)

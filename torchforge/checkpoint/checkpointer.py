@@ -106,6 +106,7 @@ class Checkpointer:
         self._read_only = read_only
         self._spare_dir: str | None = None  # the hidden folder of a pruned step whose files the next save reuses
         self.timeout = float(timeout)
+        self._closed = False
         self.last_restore: dict[str, int] = {}  # bytes read and needed by the last distributed restore
         self._pool = ThreadPoolExecutor(threads or 8,
                                         thread_name_prefix="torchforge-ckpt")
@@ -203,8 +204,11 @@ class Checkpointer:
         if self._read_only:
             raise CheckpointError("this Checkpointer was opened with Checkpointer.reader(): it cannot save",
                                   path=self.root)
+        self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step={step!r} must be an int >= 0")
+        if export_to is not None:
+            self._check_export_folder(export_to)
         self.wait()
         if distributed.active():
             write = distributed.save_distributed(self, step, model, optimizer, extra, rank_state, loader,
@@ -603,9 +607,25 @@ class Checkpointer:
             The folder's absolute path.
         """
         step = self._resolve(step)
+        self._check_export_folder(folder)
         limit = self.max_shard_size if max_shard_size is None else parse_size(max_shard_size,
                                                                              option="max_shard_size")
         return self._export(step, folder, limit, overwrite)
+
+    def _check_export_folder(self, folder: str | os.PathLike) -> None:
+        """An export replaces its folder: never the checkpoint folder, one holding it, a step or a folder of
+        the Checkpointer's own (a plain sub-folder of the checkpoint folder, such as ``hf``, is fine)."""
+        f, r = os.path.realpath(os.fspath(folder)), os.path.realpath(self.root)
+        first = os.path.relpath(f, r).split(os.sep)[0] if f.startswith(r + os.sep) else ""
+        if f == r or r.startswith(f + os.sep) or _STEP.fullmatch(first) or first.startswith("."):
+            raise CheckpointError(f"cannot export into {os.fspath(folder)!r}: it is, holds or lies inside the "
+                                  f"checkpoint folder {self.root} or one of its steps, which the export would "
+                                  "replace; export to a folder of its own", path=os.fspath(folder))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed (close(), or the end of its with block): make a "
+                                  "new one to save or restore", path=self.root)
 
     def _export(self, step: int, folder: str | os.PathLike, limit: int, overwrite: bool) -> str:
         """:meth:`export` of a committed step, without waiting for a save in flight (it runs inside one)."""
@@ -629,6 +649,7 @@ class Checkpointer:
 
     def _resolve(self, step: int | None) -> int:
         """``step``, or the latest committed one, after any save in flight."""
+        self._check_open()
         self.wait()
         if step is None:
             step = self.latest()
@@ -718,6 +739,7 @@ class Checkpointer:
         try:
             self.wait(deletions=True)
         finally:
+            self._closed = True
             self._drop_spares()
             self._arena = Arena()
             self._sd_info = None  # the distributed save's parameter-name map (it holds the parameters)
