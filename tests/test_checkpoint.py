@@ -1373,6 +1373,8 @@ def test_an_export_never_replaces_the_checkpoint_folder_or_a_step_and_a_closed_c
                 ck.export(1, folder, overwrite=True)
         with pytest.raises(CheckpointError, match="cannot export into"):
             ck.save(3, model=m, export_to=root)
+        with pytest.raises(CheckpointError, match="pass model= too"):  # (it saved and exported nothing, silently)
+            ck.save(3, extra={"lr": 0.1}, export_to=tmp_path / "hf")
         assert ck.steps() == [1, 2]
         ck.restore(2, model=_fresh()[0])
         ck.export(1, root / "hf")  # a plain folder of its own inside the checkpoint folder is fine

@@ -208,6 +208,9 @@ class Checkpointer:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step={step!r} must be an int >= 0")
         if export_to is not None:
+            if model is None:
+                raise CheckpointError("export_to= writes the step's model: pass model= too (nothing was saved)",
+                                      path=os.fspath(export_to))
             self._check_export_folder(export_to)
         self.wait()
         if distributed.active():
