@@ -60,8 +60,9 @@ def _mds_checks(ds: Any) -> list[TorchforgeError]:
     for k, m in enumerate(ds.metas):
         for name in (m.raw_basename, m.zip_basename):
             if name:
-                listed.add(os.path.normpath(os.path.join(ds.root, name)))
-                folders.add(os.path.dirname(os.path.normpath(os.path.join(ds.root, name))))
+                path = os.path.normpath(os.path.join(ds.root, name))
+                listed.add(path)
+                folders.add(os.path.dirname(path))
         if m.samples == 0:
             try:
                 ds._shard(k)

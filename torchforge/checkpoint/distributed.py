@@ -49,7 +49,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -388,12 +388,8 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
                           and not _is_dtensor(t) and t.numel() and t.data_ptr() in buffers)
         own_spec = encode(rank_state, f"rank{rank}", own)
         loader_state = loader.state_dict() if loader is not None else None
-    except Exception as e:
-        try:
-            _plan(ck, {}, set(), rank, world, step, failure=f"{type(e).__name__}: {e}")
-        except CheckpointError as told:
-            raise told from e
-        raise  # (the plan raises for every rank once one failed)
+    except Exception as e:  # noqa: BLE001 - _plan_failed raises it, on every rank
+        _plan_failed(ck, rank, world, step, e)
     folder_name, mine, holds = _plan(ck, items.tensors, owner0, rank, world, step)
     try:  # this rank alone fails (memory for the snapshot): the others learn it now, not at the timeout
         tensors: dict[str, torch.Tensor] = {}
@@ -417,10 +413,7 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
     except Exception as e:
         if holds is not None and not holds():  # the others plan again: this rank joins, failing
             ck._dist_plan = None
-            try:
-                _plan(ck, {}, set(), rank, world, step, failure=f"{type(e).__name__}: {e}")
-            except CheckpointError as told:
-                raise told from e
+            _plan_failed(ck, rank, world, step, e)
         _fail_part(ck, os.path.join(ck.root, folder_name), rank, e)
         raise
     if holds is not None and not holds():  # another rank's state changed shape: plan again, all ranks alike
@@ -447,17 +440,33 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
     return write
 
 
+def _plan_failed(ck: Any, rank: int, world: int, step: int, e: Exception) -> NoReturn:
+    """Take part in the plan's collectives as the rank that could not take its state (``e``): every rank
+    raises there (this one its CheckpointError, from ``e``)."""
+    try:
+        _plan(ck, {}, set(), rank, world, step, failure=f"{type(e).__name__}: {e}")
+    except CheckpointError as told:
+        raise told from e
+    raise e  # (the plan raises for every rank once one failed)
+
+
+def _report_failure(tmp: str, rank: int, e: BaseException) -> None:
+    """This rank's error file in the step's temporary folder; rank 0's also aborts the save (the others
+    wait for rank 0's commit, not for its part): every rank waiting on the step raises at once."""
+    _write_json_atomic(tmp, f"rank-{rank:05d}.error", {"rank": rank, "error": repr(e)}, quiet=True)
+    if rank == 0:
+        _abort(tmp)
+
+
 def _fail_part(ck: Any, tmp: str, rank: int, e: BaseException) -> None:
-    """Tell the other ranks that this rank will write nothing for the step being saved (its error file in
-    the step's temporary folder, rank 0 makes the folder and aborts it), so that they raise at once."""
+    """Tell the other ranks that this rank will write nothing for the step being saved (rank 0 makes the
+    step's temporary folder first), so that they raise at once."""
     with contextlib.suppress(OSError, CheckpointError):
         if rank == 0:
             os.makedirs(tmp, exist_ok=True)
         else:
             _wait_for(lambda: os.path.isdir(tmp) or _owner_gone(tmp), ck.timeout, "rank 0's folder", tmp)
-        _write_json_atomic(tmp, f"rank-{rank:05d}.error", {"rank": rank, "error": repr(e)}, quiet=True)
-        if rank == 0:
-            _abort(tmp)
+        _report_failure(tmp, rank, e)
 
 
 def _write_part(ck: Any, step: int, tmp: str, files: list[FilePlan], info: dict[str, Any], rank: int,
@@ -482,9 +491,8 @@ def _write_part(ck: Any, step: int, tmp: str, files: list[FilePlan], info: dict[
         _write_json_atomic(tmp, f"rank-{rank:05d}.json", info)
         crash_point("data-written")
     except BaseException as e:
-        _write_json_atomic(tmp, f"rank-{rank:05d}.error", {"rank": rank, "error": repr(e)}, quiet=True)
-        if rank == 0:  # the others wait for rank 0's commit, not for its part: tell them now
-            _abort(tmp)
+        _report_failure(tmp, rank, e)
+        if rank == 0:
             _unbusy(tmp)
         if isinstance(e, OSError):
             raise CheckpointError(f"rank {rank}: writing step {step} failed, nothing was committed: {e}",

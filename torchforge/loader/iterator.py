@@ -93,7 +93,7 @@ class _Iter(_BaseDataLoaderIter):
     # --- a pass ----------------------------------------------------------------------------------------
     def _begin_pass(self, loader: Any, first: bool) -> None:
         resume = loader._take_resume()
-        target = self._sampler_target = sampler_of(loader)
+        target = sampler_of(loader)
         saved = resume.get("sampler") if resume is not None and not self._iterable else None
         if isinstance(saved, dict) and isinstance(saved.get("epoch"), int):
             now = getattr(target, "epoch", None)
@@ -151,7 +151,7 @@ class _Iter(_BaseDataLoaderIter):
         self._assigned: list[int] = []
         self._rr = 0
         if resume is not None:
-            self._restore_position(resume)
+            self._restore_position(resume, target)
         for _ in range(skip if not self._iterable else 0):
             if self._pull_index() is _NOTHING:  # indices of batches already yielded: drawn, not loaded
                 break
@@ -172,11 +172,11 @@ class _Iter(_BaseDataLoaderIter):
             return
         prefetch(order)
 
-    def _restore_position(self, resume: dict) -> None:
+    def _restore_position(self, resume: dict, target: Any) -> None:
         self._pos.batches = self._seq = int(resume["batches"])
         self._pos.extra = set(resume.get("extra", []))
         self._pos.samples = int(resume["samples"])
-        if resume["sampler"] is not None and callable(getattr(self._sampler_target, "state_at", None)):
+        if resume["sampler"] is not None and callable(getattr(target, "state_at", None)):
             self._pos.base = self._pos.samples  # the sampler resumed there: its own count starts at 0
         self._num_yielded = self._pos.batches + len(self._pos.extra)
         workers = resume.get("workers") or []
