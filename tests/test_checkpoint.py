@@ -318,6 +318,19 @@ def test_missing_step_and_mismatched_objects(tmp_path):
     assert isinstance(CheckpointError("x"), TorchforgeError)
 
 
+def test_restore_into_a_meta_model_is_an_error_not_a_silent_no_op(tmp_path):
+    ck = Checkpointer(tmp_path)
+    m, _ = _fresh()
+    ck.save(1, model=m)
+    with torch.device("meta"):
+        lazy, _ = _fresh()
+    with pytest.raises(CheckpointError, match=r"meta device.*to_empty"):
+        ck.restore(1, model=lazy)
+    lazy.to_empty(device="cpu")
+    ck.restore(1, model=lazy)
+    assert _bitwise_equal(lazy.state_dict(), m.state_dict())
+
+
 def test_background_failure_is_raised_by_wait(tmp_path, monkeypatch):
     import torchforge.checkpoint.checkpointer as mod
 

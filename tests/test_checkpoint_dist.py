@@ -251,6 +251,13 @@ def test_restore_in_a_plain_process_is_exact(saved, saved_kind):
     assert res["extra"] == [1, [0, 1, 2]] and res["read"]["bytes_read"] == res["read"]["bytes_needed"]
 
 
+def test_restore_into_a_meta_model_in_a_plain_process_is_an_error(saved):
+    with torch.device("meta"):
+        m, _ = _build("plain", 1)
+    with pytest.raises(CheckpointError, match=r"meta device.*to_empty"):
+        Checkpointer(str(saved / "ck-fsdp")).restore(model=m)
+
+
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])
 def test_training_resumed_at_the_same_world_size_continues_bitwise(saved, kind, tmp_path):
     out = saved

@@ -56,7 +56,14 @@ import torch.distributed as dist
 
 from torchforge._proc import host_name, pid_alive
 from torchforge.checkpoint.digest import BlockDigest
-from torchforge.checkpoint.state import TensorTable, decode, encode, torch_dtype, unique_name
+from torchforge.checkpoint.state import (
+    TensorTable,
+    check_materialized,
+    decode,
+    encode,
+    torch_dtype,
+    unique_name,
+)
 from torchforge.checkpoint.writer import (
     FilePlan,
     crash_point,
@@ -972,6 +979,7 @@ def _restore_model(reader: _Reader, model: Any, spec: Any, where: str) -> None:
     if missing or unexpected:
         raise CheckpointError(f"model keys differ from the checkpoint: missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]}", path=where)
+    check_materialized(target, where)
     for k, t in target.items():
         reader.fill_like(saved[k], t)
     set_model_state_dict(model, target)  # a no-op copy where the state dict shares the parameters' memory

@@ -142,6 +142,16 @@ def alias_problem(names: list[str], aliases: Mapping[str, str]) -> str | None:
     return f"aliases {wrong[:3]} do not name a stored tensor or are stored themselves" if wrong else None
 
 
+def check_materialized(target: Mapping[str, torch.Tensor], where: str) -> None:
+    """A model on the meta device has no memory to restore into: ``copy_`` into it does nothing, and the
+    restore would return as if it had worked."""
+    meta = [k for k, t in target.items() if isinstance(t, torch.Tensor) and t.is_meta]
+    if meta:
+        raise CheckpointError(f"model tensors {meta[:5]}{' ...' if len(meta) > 5 else ''} are on the meta "
+                              "device: a restore copies into the model's own memory; materialize the model "
+                              "first (model.to_empty(device=...))", path=where)
+
+
 @torch.no_grad()
 def restore_model(model: torch.nn.Module, source: Callable[[str], torch.Tensor], names: list[str],
                   aliases: Mapping[str, str], where: str) -> None:
@@ -155,6 +165,7 @@ def restore_model(model: torch.nn.Module, source: Callable[[str], torch.Tensor],
     if missing or unexpected:
         raise CheckpointError(f"model keys differ from the checkpoint: missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]}", path=where)
+    check_materialized(target, where)
     done: set[tuple] = set()
     pairs = []
     for k, dst in target.items():
