@@ -210,6 +210,24 @@ def test_overwrite_last_commit_wins_and_at_reads_older_versions(store):
     _expect(store.at(1), np.arange(10))  # the old version still reads its own shard
 
 
+def test_a_handle_opened_at_a_version_stays_there_through_its_own_writers_commits(store):
+    with store.writer() as w:
+        w.write(np.arange(4), **_rows(np.arange(4)))
+    v1 = store.at(1)
+    with v1.writer() as w:  # a commit through the pinned handle: a new version, the handle stays
+        w.write(np.arange(4), **_rows(np.arange(4), salt=9))
+    assert store.latest_version == 2
+    assert v1.version == 1
+    _expect(v1, np.arange(4))
+    assert FeatureStore(store.path, version=1).writer().commit() == 3 and store.latest_version == 3
+    assert v1.refresh() == 3 and v1.version == 3  # refresh() lets it follow again
+    with v1.writer() as w:
+        w.write([9], **_rows([9]))
+    assert v1.version == 4
+    store.refresh()
+    assert store.writer().commit() == 5 and store.version == 5  # an unpinned handle follows its commits
+
+
 def test_get_keeps_order_and_repeats_and_fills_missing(store):
     ids = np.array([2**40, -5, 3, 2**62], dtype=np.int64)
     with store.writer() as w:
@@ -222,6 +240,8 @@ def test_get_keeps_order_and_repeats_and_fills_missing(store):
     assert got["loss"].tolist() == [-1.0, 1.5] and got["emb"][0].tolist() == [0, 0, 0, 0]
     assert store.get([9], ["loss"], missing=float("nan"))["loss"].isnan().all()
     assert list(store.get([3], ["loss"])) == ["loss"]
+    assert list(store.get([3], "loss")) == ["loss"]  # one name is one column, not its letters
+    assert list(store.join([{"id": 3}], columns="emb")[0]) == ["id", "emb"]
     with pytest.raises(ValueError, match="not in the store"):
         store.get([3], ["nope"])
     assert 3 in store and 4 not in store

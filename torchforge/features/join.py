@@ -19,6 +19,7 @@ from typing import Any
 import torch.utils.data
 
 from torchforge.errors import TorchforgeError
+from torchforge.features.layout import pick_columns
 from torchforge.lazy import LazySample
 from torchforge.loader.collate import default_collate, padded_collate
 
@@ -82,21 +83,19 @@ class JoinedDataset(torch.utils.data.Dataset):
         dataset: a map-style dataset of mapping samples (any torchforge dataset).
         store: the FeatureStore (its version is the one read, in every worker).
         key: the sample field holding the int64 id.
-        columns: the store columns added (default: all); they replace sample fields of the same name.
+        columns: the store columns added: one name, several, or None (default) for all; they replace
+            sample fields of the same name.
         missing: as in :meth:`FeatureStore.get`: None raises MissingIdsError for ids not in the store.
 
     >>> loader = DataLoader(store.join(JinxDataset("data"), key="id"), batch_size=64)  # doctest: +SKIP
     """
 
-    def __init__(self, dataset: Any, store: Any, *, key: str = "id", columns: Iterable[str] | None = None,
+    def __init__(self, dataset: Any, store: Any, *, key: str = "id", columns: str | Iterable[str] | None = None,
                  missing: Any = None):
         self.dataset = dataset
         self.store = store
         self.key = key
-        self.columns = list(store.schema) if columns is None else list(columns)
-        unknown = [c for c in self.columns if c not in store.schema]
-        if unknown:
-            raise ValueError(f"columns {unknown} are not in the store; it has {sorted(store.schema)}")
+        self.columns = pick_columns(store.schema, columns)
         self.missing = missing
 
     def __len__(self) -> int:

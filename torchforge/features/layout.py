@@ -35,8 +35,8 @@ from torchforge._proc import host_name, pid_alive
 from torchforge.errors import FormatError, NotFoundError, TorchforgeError
 from torchforge.formats.safetensors import DTYPES, fsync_dir
 
-__all__ = ["FORMAT", "Column", "Manifest", "ShardEntry", "claim_version", "list_versions", "read_manifest",
-           "read_schema", "schema_from_user", "temp_name", "write_schema"]
+__all__ = ["FORMAT", "Column", "Manifest", "ShardEntry", "claim_version", "list_versions", "pick_columns",
+           "read_manifest", "read_schema", "schema_from_user", "temp_name", "write_schema"]
 
 FORMAT = "torchforge-feature-store"
 FORMAT_VERSION = 1
@@ -128,6 +128,15 @@ def schema_from_user(schema: Any) -> Schema:
                              f"{sorted(str(d).removeprefix('torch.') for d in _CODE_OF)}")
         out[name] = Column(tuple(shape), dtype)
     return out
+
+
+def pick_columns(schema: Schema, columns: Any) -> list[str]:
+    """The column names ``columns`` stands for (one name, several, or None: all of ``schema``), checked."""
+    cols = list(schema) if columns is None else [columns] if isinstance(columns, str) else list(columns)
+    unknown = [c for c in cols if c not in schema]
+    if unknown:
+        raise ValueError(f"columns {unknown} are not in the store; it has {sorted(schema)}")
+    return cols
 
 
 def _check_name(name: Any, exc: type[Exception], path: str | None = None) -> None:

@@ -14,7 +14,8 @@ Files, versions and the commit protocol: :mod:`torchforge.features.layout` and
 
 A store handle reads one version, fixed when it is opened (the newest then) so that every batch of
 an epoch sees the same rows; :meth:`refresh` moves it to the newest version, which a commit made
-through one of its writers does by itself. :meth:`at` opens an older version. A handle pickles as its
+through one of its writers does by itself. :meth:`at` opens an older version: a handle opened at a
+version stays there (its own writers' commits do not move it) until :meth:`refresh`. A handle pickles as its
 path and version: a DataLoader worker maps the same files itself.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torchforge.features.layout import (
     VERSIONS,
     Schema,
     list_versions,
+    pick_columns,
     read_manifest,
     read_schema,
     schema_from_user,
@@ -84,6 +86,7 @@ class FeatureStore:
             raise FormatError(f"schema {schema_to_json(schema_from_user(schema))} differs from the store's "
                               f"{schema_to_json(self.schema)}", path=os.path.join(self.path, SCHEMA_FILE))
         self._snap: Snapshot | None = None
+        self._pinned = version is not None  # opened at a version: commits do not move it (see at())
         self._open(version)
 
     def _open(self, version: int | None) -> None:
@@ -113,10 +116,17 @@ class FeatureStore:
     def refresh(self) -> int:
         """Read the newest version from now on; returns its number."""
         self._open(None)
+        self._pinned = False
         return self.version
 
+    def _committed(self) -> None:
+        """One of this handle's writers committed: follow it, unless the handle was opened at a version."""
+        if not self._pinned:
+            self._open(None)
+
     def at(self, version: int) -> FeatureStore:
-        """A handle reading ``version`` (1 is the first commit)."""
+        """A handle reading ``version`` (1 is the first commit); it stays there, its own writers'
+        commits included, until :meth:`refresh`."""
         return FeatureStore(self.path, version=version)
 
     def __len__(self) -> int:
@@ -128,14 +138,14 @@ class FeatureStore:
         return self._snap.ids()
 
     # --- reading -----------------------------------------------------------------------------------
-    def get(self, ids: Any, columns: Iterable[str] | None = None, *, missing: Any = None
+    def get(self, ids: Any, columns: str | Iterable[str] | None = None, *, missing: Any = None
             ) -> dict[str, torch.Tensor]:
         """The rows of a batch of ids, gathered per column.
 
         Args:
             ids: int64 ids (a tensor on any device, an array, a sequence or one int); order and repeats
                 are kept.
-            columns: the columns to read (default: all).
+            columns: the columns to read: one name, several, or None (default) for all.
             missing: None (default) raises MissingIdsError for ids not in the version; otherwise the
                 value their rows get, one for every column or a dict of column -> value.
 
@@ -147,10 +157,7 @@ class FeatureStore:
             MissingIdsError: some ids are not in the version (``.ids`` lists them).
             CorruptShardError: a file contradicts the manifest or index.
         """
-        cols = list(self.schema) if columns is None else list(columns)
-        unknown = [c for c in cols if c not in self.schema]
-        if unknown:
-            raise ValueError(f"columns {unknown} are not in the store; it has {sorted(self.schema)}")
+        cols = pick_columns(self.schema, columns)
         if isinstance(missing, dict):
             absent = [c for c in cols if c not in missing]
             if absent:
@@ -171,7 +178,7 @@ class FeatureStore:
         """A writer whose rows become one new version at each ``commit()`` (see FeatureWriter)."""
         return FeatureWriter(self, rank, shard_size)
 
-    def join(self, dataset: Any, key: str = "id", columns: Iterable[str] | None = None, *,
+    def join(self, dataset: Any, key: str = "id", columns: str | Iterable[str] | None = None, *,
              missing: Any = None) -> Any:
         """``dataset`` with each sample gaining this store's columns for the sample's ``key`` field
         (read lazily, in the loader's workers, one store lookup per batch); see JoinedDataset."""

@@ -379,7 +379,7 @@ class FeatureWriter:
         self._written = []  # published: from here on nothing may undo or reuse this version's files
         self._commit_no += 1
         fsync_dir(os.path.join(self.root, VERSIONS))
-        self.store.refresh()
+        self.store._committed()
         return manifest.version
 
     def _name_shards(self) -> None:
