@@ -318,6 +318,24 @@ def test_missing_step_and_mismatched_objects(tmp_path):
     assert isinstance(CheckpointError("x"), TorchforgeError)
 
 
+def test_restore_into_a_model_that_ties_two_tensors_saved_with_different_values_is_an_error(tmp_path):
+    ck = Checkpointer(tmp_path)
+    untied, _ = _fresh()
+    untied.head.weight = torch.nn.Parameter(untied.emb.weight.detach() + 1)  # saved untied: two values
+    ck.save(1, model=untied)
+    tied, _ = _fresh(seed=1)
+    before = tied.emb.weight.detach().clone()
+    with pytest.raises(CheckpointError, match=r"ties 'emb.weight' and 'head.weight'.*different values"):
+        ck.restore(1, model=tied)
+    assert torch.equal(tied.emb.weight, before)  # checked before anything is copied
+    untied.head.weight = torch.nn.Parameter(untied.emb.weight.detach().clone())  # equal values: restores
+    untied.emb.weight.data[0, 0] = float("nan")
+    untied.head.weight.data[0, 0] = float("nan")
+    ck.save(2, model=untied)
+    ck.restore(2, model=tied)
+    assert torch.equal(tied.head.weight.view(torch.int32), untied.head.weight.view(torch.int32))
+
+
 def test_restore_into_a_meta_model_is_an_error_not_a_silent_no_op(tmp_path):
     ck = Checkpointer(tmp_path)
     m, _ = _fresh()

@@ -258,6 +258,30 @@ def test_restore_into_a_meta_model_in_a_plain_process_is_an_error(saved):
         Checkpointer(str(saved / "ck-fsdp")).restore(model=m)
 
 
+class Tied(torch.nn.Module):
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, 4)
+        self.head = torch.nn.Linear(4, 8, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+
+def test_a_distributed_step_saved_untied_into_a_model_that_ties_the_two_is_an_error(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        Checkpointer(tmp_path / "ck").save(1, model=Tied(tie=False))  # two different values
+        Checkpointer(tmp_path / "ck").save(2, model=Tied(tie=True))
+    finally:
+        dist.destroy_process_group()
+    ck = Checkpointer(tmp_path / "ck")
+    assert json.loads((Path(ck.path(1)) / "manifest.json").read_text())["world_size"] == 1  # the distributed layout
+    with pytest.raises(CheckpointError, match=r"ties 'emb.weight' and 'head.weight'.*different values"):
+        ck.restore(1, model=Tied(tie=True))
+    ck.restore(1, model=Tied(tie=False))
+    ck.restore(2, model=Tied(tie=True))
+
+
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])
 def test_training_resumed_at_the_same_world_size_continues_bitwise(saved, kind, tmp_path):
     out = saved

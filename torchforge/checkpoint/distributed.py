@@ -61,6 +61,8 @@ from torchforge.checkpoint.state import (
     check_materialized,
     decode,
     encode,
+    same_bits,
+    tied_apart,
     torch_dtype,
     unique_name,
 )
@@ -980,6 +982,15 @@ def _restore_model(reader: _Reader, model: Any, spec: Any, where: str) -> None:
         raise CheckpointError(f"model keys differ from the checkpoint: missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]}", path=where)
     check_materialized(target, where)
+    tied: dict[tuple, str] = {}
+    for k, t in target.items():
+        local = t.to_local() if _is_dtensor(t) else t
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride())
+        first = tied.get(key) if local.numel() else None
+        if first is None:
+            tied[key] = k
+        elif saved[first] != saved[k] and not same_bits(reader.whole(saved[first]), reader.whole(saved[k])):
+            raise tied_apart(first, k, where)  # tied here, saved as two tensors of different values
     for k, t in target.items():
         reader.fill_like(saved[k], t)
     set_model_state_dict(model, target)  # a no-op copy where the state dict shares the parameters' memory

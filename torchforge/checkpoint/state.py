@@ -166,20 +166,39 @@ def restore_model(model: torch.nn.Module, source: Callable[[str], torch.Tensor],
         raise CheckpointError(f"model keys differ from the checkpoint: missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]}", path=where)
     check_materialized(target, where)
-    done: set[tuple] = set()
+    done: dict[tuple, tuple[str, str, torch.Tensor]] = {}
     pairs = []
     for k, dst in target.items():
-        src = source(aliases.get(k, k))
+        name = aliases.get(k, k)
+        src = source(name)
         if tuple(src.shape) != tuple(dst.shape):
             raise CheckpointError(f"{k!r} has shape {list(src.shape)} in the checkpoint, {list(dst.shape)} "
                                   "in the "
                                   "model", path=where)
         key = (dst.untyped_storage().data_ptr(), dst.storage_offset(), tuple(dst.shape), dst.stride())
-        if dst.numel() and key in done:  # tied in the model too: already restored
+        if dst.numel() and key in done:  # tied in the model: one tensor, restored once
+            first, stored, value = done[key]
+            if stored != name and not same_bits(value, src):
+                raise tied_apart(first, k, where)
             continue
-        done.add(key)
+        done[key] = (k, name, src)
         pairs.append((dst, src))
     copy_tensors(pairs)
+
+
+def tied_apart(first: str, second: str, where: str) -> CheckpointError:
+    """The error for a model that ties two tensors which the checkpoint holds with different values."""
+    return CheckpointError(f"the model ties {first!r} and {second!r} (one tensor), and the checkpoint holds "
+                           "different values for them (saved from a model that did not tie them): restoring "
+                           "would keep one and silently drop the other", path=where)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaNs included), of tensors of one shape."""
+    if a.dtype != b.dtype:
+        return False
+    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) if t.numel() else t for t in (a, b)]
+    return torch.equal(*flat)
 
 
 @torch.no_grad()
