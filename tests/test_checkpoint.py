@@ -336,6 +336,129 @@ def test_restore_into_a_model_that_ties_two_tensors_saved_with_different_values_
     assert torch.equal(tied.head.weight.view(torch.int32), untied.head.weight.view(torch.int32))
 
 
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+
+
+def test_compiled_wrapped_and_bare_models_share_names_restore_into_each_other_and_export_plain(tmp_path):
+    ck = Checkpointer(tmp_path / "ck")
+    bare = _mlp()
+    ck.save(1, model=torch.compile(bare, backend="eager"))  # state_dict keys: _orig_mod.0.weight ...
+    ck.save(2, model=torch.nn.DataParallel(bare))  # module.0.weight ...
+    plain = {"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    for step in (1, 2):
+        with safetensors.safe_open(os.path.join(ck.path(step), "model-00001-of-00001.safetensors"), "pt") as f:
+            assert set(f.keys()) == plain
+        for into in (_mlp(), torch.compile(_mlp(), backend="eager"), torch.nn.DataParallel(_mlp())):
+            for p in into.parameters():
+                p.data.zero_()
+            ck.restore(step, model=into)
+            got = {k.replace("_orig_mod.", "").removeprefix("module."): v for k, v in into.state_dict().items()}
+            assert _bitwise_equal(got, bare.state_dict())
+        out = ck.export(step, tmp_path / f"hf{step}")
+        assert set(safetensors.torch.load_file(os.path.join(out, "model-00001-of-00001.safetensors"))) == plain
+
+
+def test_a_step_saved_with_wrapper_names_before_they_were_canonical_still_restores_and_exports_plain(
+        tmp_path, monkeypatch):
+    from torchforge.checkpoint import state
+
+    monkeypatch.setattr(state, "canonical_keys", lambda model, keys: {k: k for k in keys})  # the old naming
+    ck = Checkpointer(tmp_path / "ck")
+    bare = _mlp()
+    ck.save(1, model=torch.compile(bare, backend="eager"))
+    monkeypatch.undo()
+    with safetensors.safe_open(os.path.join(ck.path(1), "model-00001-of-00001.safetensors"), "pt") as f:
+        stored = f.keys()
+    assert all(k.startswith("_orig_mod.") for k in stored)
+    for into in (_mlp(), torch.compile(_mlp(), backend="eager")):
+        ck.restore(1, model=into)
+        got = {k.removeprefix("_orig_mod."): v for k, v in into.state_dict().items()}
+        assert _bitwise_equal(got, bare.state_dict())
+    out = ck.export(1, tmp_path / "hf")
+    assert set(safetensors.torch.load_file(os.path.join(out, "model-00001-of-00001.safetensors"))) == set(
+        bare.state_dict())
+    with pytest.raises(CheckpointError, match=r"keys differ from the checkpoint: 1 missing \['2.weight'\], 0 unexpected"):
+        ck.restore(1, model=torch.nn.Sequential(*_mlp(), torch.nn.Linear(4, 1, bias=False)))
+
+
+class _Extra(torch.nn.Module):
+    """State that is not the module's own memory: an extra state tensor, a hook's converted copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.counter = torch.zeros(())
+        self.cache = None
+        self.lin._register_state_dict_hook(lambda mod, sd, prefix, local: {
+            k: v.to(torch.float64) if k.startswith(prefix) else v for k, v in sd.items()})
+        self.register_load_state_dict_post_hook(lambda mod, keys: setattr(mod, "cache", mod.lin.weight.detach().sum()))
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.counter.clone()
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.counter = state.clone()
+
+
+def test_extra_state_hooked_state_dicts_load_hooks_and_lazy_modules_restore_as_load_state_dict_does(tmp_path):
+    ck = Checkpointer(tmp_path)
+    m = _Extra()
+    m.counter.fill_(42)
+    ck.save(1, model=m)
+    back = _Extra()
+    ck.restore(1, model=back)
+    assert float(back.counter) == 42 and torch.equal(back.lin.weight, m.lin.weight)  # set_extra_state ran
+    assert back.cache is not None and float(back.cache) == float(m.lin.weight.detach().sum())  # the post hook ran
+    lazy = torch.nn.Sequential(torch.nn.LazyLinear(3))
+    lazy(torch.ones(1, 5))
+    ck.save(2, model=lazy)
+    fresh = torch.nn.Sequential(torch.nn.LazyLinear(3))  # not run yet: no shape, materialized by the restore
+    ck.restore(2, model=fresh)
+    assert torch.equal(fresh[0].weight, lazy[0].weight)
+
+
+def test_a_failing_optimizer_restore_leaves_the_model_as_it_was_and_lossy_dtypes_are_errors(tmp_path):
+    ck = Checkpointer(tmp_path)
+    m, opt = _fresh()
+    _train(m, opt, range(1))
+    ck.save(1, model=m, optimizer=opt)
+    other, _ = _fresh(seed=3)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    two_groups = torch.optim.AdamW([{"params": list(other.parameters())[:2]}, {"params": list(other.parameters())[2:]}])
+    with pytest.raises(CheckpointError, match="groups of sizes"):
+        ck.restore(1, model=other, optimizer=two_groups)
+    assert _bitwise_equal(other.state_dict(), before)  # all or nothing
+    ints = torch.nn.Module()
+    ints.register_buffer("f", torch.tensor([0.7, 1e10]))
+    ck.save(2, model=ints)
+    ints.f = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(CheckpointError, match=r"'f' is float32 in the checkpoint, int32 in the model"):
+        ck.restore(2, model=ints)
+    ints.f = torch.zeros(2, dtype=torch.bfloat16)  # precision only: a cast, as load_state_dict does
+    ck.restore(2, model=ints)
+    assert ints.f[0] == torch.tensor(0.7).bfloat16()
+
+
+@pytest.mark.filterwarnings("ignore:.*(Sparse CSR|nested tensors).*:UserWarning")
+@pytest.mark.parametrize(("make", "says"), [
+    (lambda: torch.eye(3).to_sparse(), "sparse_coo tensor"),
+    (lambda: torch.eye(3).to_sparse_csr(), "sparse_csr tensor"),
+    (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested tensor"),
+    (lambda: torch.ones(2, dtype=torch.complex128), "complex128, which safetensors cannot hold"),
+])
+def test_tensors_a_checkpoint_cannot_hold_are_errors_naming_them_and_leave_nothing(tmp_path, make, says):
+    ck = Checkpointer(tmp_path)
+    m = torch.nn.Module()
+    m.register_buffer("odd", make())
+    with pytest.raises(CheckpointError, match=f"'odd' is .*{says}"):
+        ck.save(1, model=m)
+    with pytest.raises(CheckpointError, match=says):
+        ck.save(1, extra={"x": make()})
+    assert ck.latest() is None and not [n for n in os.listdir(tmp_path) if "tmp" in n]
+
+
 def test_restore_into_a_meta_model_is_an_error_not_a_silent_no_op(tmp_path):
     ck = Checkpointer(tmp_path)
     m, _ = _fresh()

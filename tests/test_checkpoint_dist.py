@@ -282,6 +282,20 @@ def test_a_distributed_step_saved_untied_into_a_model_that_ties_the_two_is_an_er
     ck.restore(2, model=Tied(tie=True))
 
 
+def test_a_single_process_step_restores_into_a_ddp_model_under_a_process_group(tmp_path):
+    torch.manual_seed(0)
+    bare = Net()
+    Checkpointer(tmp_path / "ck").save(1, model=bare)  # no process group: the single-process layout
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(1)
+        ddp = torch.nn.parallel.DistributedDataParallel(Net())  # keys module.a.weight ...
+        Checkpointer(tmp_path / "ck").restore(1, model=ddp)
+        _same(bare.state_dict(), ddp.module.state_dict())
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])
 def test_training_resumed_at_the_same_world_size_continues_bitwise(saved, kind, tmp_path):
     out = saved

@@ -25,11 +25,13 @@ from torchforge.checkpoint.export import export_model
 from torchforge.checkpoint.staging import Arena
 from torchforge.checkpoint.state import (
     TensorTable,
+    check_optimizer,
     decode,
     encode,
     model_table,
     restore_model,
     restore_optimizer,
+    strip_wrapper_names,
 )
 from torchforge.checkpoint.writer import FilePlan, crash_point, plan_group, write_files
 from torchforge.errors import CheckpointError, TorchforgeError
@@ -528,7 +530,11 @@ class Checkpointer:
 
         Args:
             step: the step (default: the latest).
-            model: copied into in place; keys and shapes must match exactly (tied parameters stay tied).
+            model: copied into in place; keys, shapes and ties must match exactly, under canonical names
+                (``torch.compile``'s ``_orig_mod`` and DDP's or DataParallel's ``module`` dropped: a compiled,
+                wrapped or bare model restores any of their steps); a dtype may change in precision only
+                (float32 into bfloat16, not a float into an int). Extra state, state-dict hooks, load hooks
+                and lazy modules restore through the model's ``load_state_dict``.
             optimizer: its param groups and state are replaced by the stored ones.
             loader: a torchforge DataLoader saved with ``save(loader=...)``: resumed at the exact next
                 batch. A step saved by N ranks and restored by M != N ranks remaps the loader state through
@@ -571,6 +577,7 @@ class Checkpointer:
                         and all(isinstance(e, dict) for e in saved["state"].values())):
                     raise CheckpointError(f"{STATE} is damaged: the optimizer state is not a dict of dicts",
                                           path=where)
+                check_optimizer(optimizer, saved, folder)  # before the model changes: all or nothing
             tensor = self._extra_tensors(folder, files, map_location)
             if loader is not None:
                 if state.get("loader") is None:
@@ -640,8 +647,16 @@ class Checkpointer:
             else:
                 if "model" not in self._state(src, step):
                     raise CheckpointError(f"step {step} holds no model state", path=os.path.join(src, STATE))
-                stored, get = self._group(src, "model", manifest["files"])
-                names = {n: (list(get(n).shape), get(n).dtype) for n in stored}
+                stored, read = self._group(src, "model", manifest["files"])
+                # (a step saved before names were canonical may carry a compiled or wrapped model's names)
+                plain = strip_wrapper_names(stored)
+                if len(set(plain.values())) != len(plain):
+                    plain = {n: n for n in stored}
+                original = {v: k for k, v in plain.items()}
+                names = {plain[n]: (list(read(n).shape), read(n).dtype) for n in stored}
+
+                def get(name: str) -> torch.Tensor:
+                    return read(original[name])
             return export_model(names, get, os.fspath(folder), limit, self._pool, overwrite=overwrite)
 
     @property

@@ -7,7 +7,9 @@ the other names are recorded as aliases.
 """
 from __future__ import annotations
 
+import itertools
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -16,9 +18,13 @@ import torch
 
 from torchforge.checkpoint.staging import copy_tensors
 from torchforge.errors import CheckpointError
+from torchforge.formats.safetensors import DTYPES
+
+SAFETENSORS_DTYPES = frozenset(dt for _, dt in DTYPES.values() if dt is not None)
 
 __all__ = ["TensorTable", "alias_problem", "decode", "encode", "restore_model", "restore_optimizer"]
 
+_EXTRA_STATE = "_extra_state"  # torch's key for a module's get_extra_state()
 _TAGS = ("__tensor__", "__tuple__", "__float__", "__dict__", "__dtype__")
 
 
@@ -34,6 +40,7 @@ class TensorTable:
         """Record ``t`` under ``name``; returns the name it is stored under (an earlier alias, itself, or
         ``name~k`` where another value of the state already has that dotted name: ``{"a.b": x, "a": {"b":
         y}}``)."""
+        check_storable(name, t)
         name = unique_name(name, self.tensors, self.aliases)
         t = t.detach()
         key = None
@@ -51,6 +58,55 @@ class TensorTable:
         """The tensors, with strided CPU ones made contiguous (the zero-copy writer needs C order; other
         devices are copied into the staging arena, which takes any strides)."""
         return {k: v.contiguous() if v.device.type == "cpu" else v for k, v in self.tensors.items()}
+
+
+def check_storable(name: str, t: torch.Tensor) -> None:
+    """Only dense tensors of a safetensors dtype are stored: anything else is an error naming the tensor."""
+    kind = ("nested" if t.is_nested else "quantized" if t.is_quantized
+            else None if t.layout == torch.strided else str(t.layout).removeprefix("torch."))
+    if kind is not None:
+        raise CheckpointError(f"{name!r} is a {kind} tensor; a checkpoint stores dense (strided) tensors only: "
+                              "store its dense form or its parts (e.g. .to_dense(), or indices and values)")
+    if t.dtype not in SAFETENSORS_DTYPES:
+        hint = " (e.g. torch.view_as_real)" if t.is_complex() else ""
+        raise CheckpointError(f"{name!r} is {str(t.dtype).removeprefix('torch.')}, which safetensors cannot "
+                              f"hold: store it as another dtype{hint}")
+
+
+def canonical_keys(model: torch.nn.Module, keys: Any) -> dict[str, str]:
+    """``model.state_dict()`` key -> the key without the attributes of wrappers (``torch.compile``'s
+    ``_orig_mod``, DDP's and DataParallel's ``module``), found by walking the model, as
+    ``torch.distributed.checkpoint`` names state: a compiled, wrapped and bare model share one name per
+    tensor. (A submodule that happens to be called ``module`` keeps its name: only a wrapper's is dropped.)"""
+    out = {}
+    for key in keys:
+        m: Any = model
+        kept = []
+        for part in key.split("."):
+            sub = m._modules.get(part) if isinstance(m, torch.nn.Module) else None
+            if sub is None or _wrapper_attr(m) != part:
+                kept.append(part)
+            m = sub
+        out[key] = ".".join(kept)
+    return out
+
+
+def _wrapper_attr(m: torch.nn.Module) -> str | None:
+    if isinstance(m, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        return "module"
+    frame = sys.modules.get("torch._dynamo.eval_frame")  # (not imported: nothing was compiled)
+    if frame is not None and isinstance(m, frame.OptimizedModule):
+        return "_orig_mod"
+    return None
+
+
+def strip_wrapper_names(names: Any) -> dict[str, str]:
+    """Stored name -> the name without wrappers' attributes, for steps saved before names were canonical:
+    every ``_orig_mod`` part dropped, and a ``module.`` prefix that every name has."""
+    out = {n: ".".join(p for p in n.split(".") if p != "_orig_mod") for n in names}
+    if out and all(v.startswith("module.") for v in out.values()):
+        out = {k: v.removeprefix("module.") for k, v in out.items()}
+    return out
 
 
 def unique_name(name: str, *taken: Mapping[str, Any]) -> str:
@@ -125,11 +181,16 @@ def decode(obj: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
 
 
 def model_table(model: torch.nn.Module) -> TensorTable:
+    """The model's state under canonical names (see :func:`canonical_keys`)."""
     table = TensorTable()
-    for k, v in model.state_dict(keep_vars=False).items():
+    sd = model.state_dict(keep_vars=False)
+    canon = canonical_keys(model, sd)
+    if len(set(canon.values())) != len(canon):
+        canon = {k: k for k in sd}  # (wrapper names that collide with the model's own: kept as they are)
+    for k, v in sd.items():
         if not isinstance(v, torch.Tensor):
             raise CheckpointError(f"model state {k!r} is a {type(v).__name__}; only tensors are stored")
-        table.add(k, v)
+        table.add(canon[k], v)
     return table
 
 
@@ -155,26 +216,33 @@ def check_materialized(target: Mapping[str, torch.Tensor], where: str) -> None:
 @torch.no_grad()
 def restore_model(model: torch.nn.Module, source: Callable[[str], torch.Tensor], names: list[str],
                   aliases: Mapping[str, str], where: str) -> None:
-    """Copy stored tensors into the model's existing parameters and buffers (strict key match)."""
+    """Copy stored tensors into the model's parameters and buffers (strict key match, under canonical
+    names: a compiled, wrapped or bare model restores any of their steps). Shapes, dtypes and ties are
+    checked before anything is copied. Where ``state_dict()`` is not the model's own memory (a module's
+    extra state, a state-dict hook's converted copies, a lazy module) or the model has load hooks, the
+    copy goes through ``model.load_state_dict``, which runs them."""
     problem = alias_problem(names, aliases)
     if problem:
         raise CheckpointError(f"state.json is damaged: model {problem}", path=where)
-    target = model.state_dict(keep_vars=False)
-    stored = set(names) | set(aliases)
-    missing, unexpected = sorted(set(target) - stored), sorted(stored - set(target))
-    if missing or unexpected:
-        raise CheckpointError(f"model keys differ from the checkpoint: missing {missing[:5]}, unexpected "
-                              f"{unexpected[:5]}", path=where)
+    target = model.state_dict(keep_vars=True)
+    stored_of = match_names(model, target, set(names) | set(aliases), where)
     check_materialized(target, where)
     done: dict[tuple, tuple[str, str, torch.Tensor]] = {}
+    sources: dict[str, torch.Tensor] = {}
     pairs = []
     for k, dst in target.items():
-        name = aliases.get(k, k)
-        src = source(name)
+        name = stored_of[k]
+        src = sources[k] = source(aliases.get(name, name))
+        if torch.nn.parameter.is_lazy(dst) or k.endswith(_EXTRA_STATE):
+            continue  # no shape yet (load_state_dict's lazy hook makes it), or anything set_extra_state takes
+        dst = dst.detach()
         if tuple(src.shape) != tuple(dst.shape):
-            raise CheckpointError(f"{k!r} has shape {list(src.shape)} in the checkpoint, {list(dst.shape)} "
-                                  "in the "
-                                  "model", path=where)
+            raise CheckpointError(f"{k!r} has shape {list(src.shape)} in the checkpoint, {list(dst.shape)} in "
+                                  "the model", path=where)
+        if _lossy(src.dtype, dst.dtype):
+            raise CheckpointError(f"{k!r} is {str(src.dtype).removeprefix('torch.')} in the checkpoint, "
+                                  f"{str(dst.dtype).removeprefix('torch.')} in the model: the copy would lose "
+                                  "values (convert the model or the checkpoint)", path=where)
         key = (dst.untyped_storage().data_ptr(), dst.storage_offset(), tuple(dst.shape), dst.stride())
         if dst.numel() and key in done:  # tied in the model: one tensor, restored once
             first, stored, value = done[key]
@@ -183,7 +251,50 @@ def restore_model(model: torch.nn.Module, source: Callable[[str], torch.Tensor],
             continue
         done[key] = (k, name, src)
         pairs.append((dst, src))
+    if _needs_load_state_dict(model, target):
+        try:
+            model.load_state_dict(sources, strict=True)
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:
+            raise CheckpointError(f"the model's load_state_dict rejects the stored state ({type(e).__name__}: "
+                                  f"{e})", path=where) from e
+        return
     copy_tensors(pairs)
+
+
+def match_names(model: torch.nn.Module, target: Mapping[str, Any], stored: set[str], where: str) -> dict[str, str]:
+    """Model state key -> stored name: canonical names (wrappers' attributes dropped) on both sides; the
+    model's own keys for a step saved from the same wrapping before names were canonical; or such a step's
+    names with the wrappers' attributes stripped."""
+    canon = canonical_keys(model, target)
+    if set(canon.values()) == stored and len(canon) == len(stored):
+        return canon
+    if set(target) == stored:
+        return {k: k for k in target}
+    stripped = strip_wrapper_names(stored)
+    back = {v: k for k, v in stripped.items()}
+    if len(back) == len(stored) and set(back) == set(canon.values()):
+        return {k: back[c] for k, c in canon.items()}
+    have, saved = set(canon.values()), set(back) if len(back) == len(stored) else stored
+    missing, unexpected = sorted(have - saved), sorted(saved - have)
+    raise CheckpointError(f"model keys differ from the checkpoint: {len(missing)} missing {missing[:5]}, "
+                          f"{len(unexpected)} unexpected {unexpected[:5]}", path=where)
+
+
+def _lossy(src: torch.dtype, dst: torch.dtype) -> bool:
+    """A copy from ``src`` to ``dst`` that drops values, not only precision: complex to real, a
+    floating-point value to an integer or bool, an integer to bool."""
+    if src.is_complex:
+        return not dst.is_complex
+    if src.is_floating_point:
+        return not (dst.is_floating_point or dst.is_complex)
+    return src != torch.bool and dst == torch.bool
+
+
+def _needs_load_state_dict(model: torch.nn.Module, target: Mapping[str, Any]) -> bool:
+    live = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    if any(id(t) not in live for t in target.values()):  # extra state, a hook's copies
+        return True
+    return any(m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks for m in model.modules())
 
 
 def tied_apart(first: str, second: str, where: str) -> CheckpointError:
@@ -201,16 +312,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(*flat)
 
 
-@torch.no_grad()
-def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: str) -> None:
-    """Load a decoded optimizer state dict, copying into existing state tensors where shapes match.
-
-    Follows ``Optimizer.load_state_dict``'s rules: state tensors take the parameter's device (and dtype
-    for floating-point parameters), ``step`` stays as stored unless the group is capturable or fused.
-    """
+def check_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: str) -> tuple[dict, dict]:
+    """Whether the stored state fits ``opt`` (its groups' sizes, every state entry's parameter): checked
+    before a restore changes anything. Returns stored parameter id -> parameter, and -> its group."""
     groups, sgroups = opt.param_groups, saved["param_groups"]
-    sizes = [len(g["params"]) for g in groups]
-    if sizes != [len(s["params"]) for s in sgroups]:
+    if [len(g["params"]) for g in groups] != [len(s["params"]) for s in sgroups]:
         raise CheckpointError(f"optimizer has groups of sizes {[len(g['params']) for g in groups]}, the "
                               f"checkpoint {[len(s['params']) for s in sgroups]}", path=where)
     index, group_of = {}, {}
@@ -218,11 +324,24 @@ def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: 
         for p, i in zip(g["params"], s["params"]):
             index[i] = p
             group_of[i] = g
+    stray = [i for i in saved["state"] if i not in index]
+    if stray:
+        raise CheckpointError(f"optimizer state for parameter {stray[0]} which no group holds", path=where)
+    return index, group_of
+
+
+@torch.no_grad()
+def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: str) -> None:
+    """Load a decoded optimizer state dict, copying into existing state tensors where shapes match.
+
+    Follows ``Optimizer.load_state_dict``'s rules: state tensors take the parameter's device (and dtype
+    for floating-point parameters), ``step`` stays as stored unless the group is capturable or fused.
+    """
+    index, group_of = check_optimizer(opt, saved, where)
+    groups, sgroups = opt.param_groups, saved["param_groups"]
     state: defaultdict = defaultdict(dict)
     pairs = []
     for i, entry in saved["state"].items():
-        if i not in index:
-            raise CheckpointError(f"optimizer state for parameter {i} which no group holds", path=where)
         p, g = index[i], group_of[i]
         old = opt.state.get(p, {})
         new = {}
