@@ -66,10 +66,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if isinstance(max_retries, bool) or int(max_retries) < 0:
             raise ValueError(f"max_retries={max_retries!r} must be an int >= 0")
         extra = {"in_order": in_order} if _TORCH_TAKES_IN_ORDER else {}
-        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
-                         pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
-                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-                         pin_memory_device=pin_memory_device, **extra)
+        # by name: a framework that records the arguments of torch's __init__ (Lightning, for a subclass it
+        # does not watch) rebuilds this class from them, and torch's positions are not this signature's
+        super().__init__(dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                         batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+                         pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
+                         worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                         generator=generator, prefetch_factor=prefetch_factor,
+                         persistent_workers=persistent_workers, pin_memory_device=pin_memory_device, **extra)
         self.in_order = bool(in_order)
         self._custom_batch_sampler = batch_sampler is not None
         self.device = device
