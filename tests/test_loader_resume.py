@@ -373,3 +373,89 @@ def test_a_sampler_state_into_a_loader_whose_sampler_cannot_load_it_is_refused_a
     _ids(saved, 1)
     with pytest.raises(ValueError, match="RandomSampler cannot load one"):
         DataLoader(list(range(20)), 4, shuffle=True).load_state_dict(saved.state_dict())
+
+
+class _Yielded(torch.utils.data.Sampler):
+    """A sampler whose state says where it is in the pass, as torchdata's StatefulDistributedSampler's:
+    ``{"yielded": n}``, resumed from there by its next ``__iter__``."""
+
+    def __init__(self, n: int):
+        self.n, self.yielded, self.next_yielded = n, 0, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        self.yielded = 0
+        if self.next_yielded is not None:
+            self.yielded, self.next_yielded = self.next_yielded, None
+        for i in range(self.yielded, self.n):
+            self.yielded += 1
+            yield (i * 7) % self.n
+
+    def state_dict(self) -> dict:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_yielded = state["yielded"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sampler_whose_state_says_where_it_is_resumes_from_it_without_losing_a_batch(workers):
+    def loader():
+        return DataLoader(list(range(50)), batch_size=5, sampler=_Yielded(50), num_workers=workers)
+
+    whole = [b.tolist() for epoch in range(2) for b in loader()]
+    for k in (0, 1, 4, 10):  # 10: right after the epoch's last batch
+        dl = loader()
+        it = iter(dl)
+        head = [next(it).tolist() for _ in range(k)]
+        state = dl.state_dict()
+        again = loader()
+        again.load_state_dict(state)
+        rest = [b.tolist() for b in again]
+        if k == 10:  # saved after the pass's last batch, before its end was seen: the pass has nothing left,
+            assert rest == [] and [b.tolist() for b in again] == whole[10:]  # and the next one begins anew
+            continue
+        mid = loader()
+        mid.load_state_dict(state)  # resumed twice: the second resume continues from the first's position
+        it2 = iter(mid)
+        more = [next(it2).tolist() for _ in range(2)]
+        third = loader()
+        third.load_state_dict(mid.state_dict())
+        assert head + rest == whole[:10] and head + more + [b.tolist() for b in third] == whole[:10], k
+    done = loader()
+    assert [b.tolist() for b in done] == whole[:10]
+    after = loader()
+    after.load_state_dict(done.state_dict())  # a pass seen to its end: the next begins anew (not empty)
+    assert [b.tolist() for b in after] == whole[10:]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_finished_state_loaded_into_a_loader_mid_pass_is_what_its_state_dict_says(workers):
+    data = list(range(10))
+    start = DataLoader(data, batch_size=2, num_workers=workers).state_dict()  # never iterated: a pass's end
+    dl = DataLoader(data, batch_size=2, num_workers=workers)
+    it = iter(dl)
+    for _ in range(3):
+        next(it)
+    dl.load_state_dict(start)
+    state = dl.state_dict()  # a checkpoint right after the load: the loaded state, not the live pass's
+    assert state["batches"] == start["batches"] and state["finished"]
+    fresh = DataLoader(data, batch_size=2, num_workers=workers)
+    fresh.load_state_dict(state)
+    assert [b.tolist() for b in fresh] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(3, 2), (3, 1), (2, 3), (3, 0), (0, 3)])
+def test_a_map_style_state_resumes_with_another_number_of_workers(saved, resumed):
+    data = list(range(24))
+    dl = DataLoader(data, batch_size=2, num_workers=saved)
+    it = iter(dl)
+    for _ in range(2):
+        next(it)
+    state = dl.state_dict()
+    rest = [b.tolist() for b in it]
+    again = DataLoader(data, batch_size=2, num_workers=resumed)
+    again.load_state_dict(state)
+    assert [b.tolist() for b in again] == rest  # was an IndexError with fewer workers than saved

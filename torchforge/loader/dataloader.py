@@ -82,6 +82,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.seed_per_batch = bool(seed_per_batch)
         self.skipped = 0  #: samples left out under on_error="skip", over the loader's lifetime
         self._resume: dict[str, Any] | None = None
+        self._loaded_end: dict[str, Any] | None = None  # a loaded state saved at a pass's end
         self._epoch_at_load: int | None = None  # the sampler's epoch when a pending state was loaded
         self._carried_seed: tuple[int, int] | None = None  # persistent workers resumed at a pass boundary:
         # (base seed, passes made under it)
@@ -139,8 +140,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """Everything a fresh loader needs to yield exactly the batches that would have come next: the
         position in the pass, the sampler's and dataset's states, the worker seeds and per-worker
         dataset states (see :mod:`torchforge.loader.state`). Plain data."""
-        if self._resume is not None:
-            return dict(self._resume)
+        if self._resume is not None or self._loaded_end is not None:  # loaded, not begun: what was loaded
+            return dict(self._resume if self._resume is not None else self._loaded_end)
         pos = self._pos
         if pos is None:  # no pass yet: a position at the end of a pass that never began
             pos = Position(max(self.num_workers, 1))
@@ -182,6 +183,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._epoch_at_load = getattr(target, "epoch", None)
             return
         self._resume = None
+        self._loaded_end = dict(state)  # until the next pass begins, state_dict() says this, not a live pass's
         if self.persistent_workers and self.num_workers > 0 and state["base_seed"] is not None:
             # the saved run's workers went on into the next pass with their base seed (torch's _reset)
             self._carried_seed = (int(state["base_seed"]), int(state.get("pass", 0)))
@@ -196,4 +198,5 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def _take_resume(self) -> dict[str, Any] | None:
         state, self._resume = self._resume, None
+        self._loaded_end = None
         return state

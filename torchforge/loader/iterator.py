@@ -138,7 +138,16 @@ class _Iter(_BaseDataLoaderIter):
             self._pos.rng0 = get_rng(gens)  # (a version 1 state's, past its base seed draw: saved as version 2)
             self._pos.pass_no = self._pass_no
             self._primed = _NOTHING
+            watch = not self._iterable and stateful(target) and not callable(getattr(target, "state_at", None))
+            before = target.state_dict() if watch else None
+            self._snapshot = None
             self._primed = self._pull_index()  # the sampler's first draws happen here, in every run
+            after = target.state_dict() if watch else None
+            # a sampler whose state moves as it yields (torchdata's StatefulDistributedSampler: {"yielded": n})
+            # says where it is: it resumes from its state after the last batch yielded, skipping nothing
+            self._pos.positional = watch and (after != before or (resume is not None and not resume.get(
+                "skip_batches", True)))
+            self._snapshot = target.state_dict if self._pos.positional else None
             self._plan_prefetch(loader, target)
             skip = int(resume["batches"]) if resume is not None and resume.get("skip_batches") else 0
         finally:
@@ -148,10 +157,16 @@ class _Iter(_BaseDataLoaderIter):
         self._pos.base_seed = self._base_seed
         if not self._iterable and stateful(target) and not callable(getattr(target, "state_at", None)):
             self._pos.sampler_start = resume["sampler"] if resume is not None else target.state_dict()
+            if self._pos.positional:
+                self._pos.sampler_start = resume["sampler"] if resume is not None else None
         self._assigned: list[int] = []
         self._rr = 0
         if resume is not None:
             self._restore_position(resume, target)
+        self._draw_seq = self._seq  # the batch the next draw of indices is for
+        if self._pos.positional:
+            self._pos.snapshots[self._seq] = after
+            self._draw_seq += 1
         for _ in range(skip if not self._iterable else 0):
             if self._pull_index() is _NOTHING:  # indices of batches already yielded: drawn, not loaded
                 break
@@ -189,17 +204,22 @@ class _Iter(_BaseDataLoaderIter):
                 self._pos.worker_state = [w["state"] for w in workers]
                 self._pos.drawn = [int(w["drawn"]) for w in workers]
                 self._pos.ended = [bool(w["ended"]) for w in workers]
-        self._assigned = list(resume.get("assigned", []))
-        self._rr = int(resume.get("next_worker", 0))
+        if not workers or len(workers) == len(self._pos.worker_state):  # (the saved run's worker numbers)
+            self._assigned = list(resume.get("assigned", []))
+            self._rr = int(resume.get("next_worker", 0))
 
     def _pull_index(self) -> Any:
         if self._primed is not _NOTHING:
             index, self._primed = self._primed, _NOTHING
             return index
         try:
-            return self._next_index()
+            index = self._next_index()
         except StopIteration:
             return _NOTHING
+        if self._snapshot is not None:  # a sampler that says where it is: its state after each batch's draw
+            self._pos.snapshots[self._draw_seq] = self._snapshot()
+            self._draw_seq += 1
+        return index
 
     # --- yielding ---------------------------------------------------------------------------------------
     def __next__(self) -> Any:
@@ -288,6 +308,9 @@ class _Iter(_BaseDataLoaderIter):
                 pos.extra.discard(pos.batches)
                 pos.samples += pos.ahead.pop(pos.batches, 0)
                 pos.batches += 1
+            if pos.snapshots:  # only the state after the prefix's last batch is ever saved
+                for k in [k for k in pos.snapshots if k < pos.batches - 1]:
+                    del pos.snapshots[k]
         else:
             pos.extra.add(seq)
             pos.ahead[seq] = n_indices

@@ -15,8 +15,10 @@ dataset's own ``state_dict()`` return):
   CPU generator, and a sampler's own ``generator``), as the pass's first sampler draw found them; a
   resumed pass replays its draws from them, then puts torch's default generator back as it found it;
 - ``sampler``: the sampler's state -- ``sampler.state_at(samples)`` for a sampler that can say where it
-  is after any number of indices (``GlobalSampler``: elastic across world sizes), else its
-  ``state_dict()`` at the start of the pass (the pass then skips ``batches`` batches of indices);
+  is after any number of indices (``GlobalSampler``: elastic across world sizes); for a sampler whose
+  ``state_dict()`` changes as it yields (it says where it is, as torchdata's ``StatefulDistributedSampler``
+  does), its state after the last batch yielded was drawn (None at a pass's end: the next pass begins
+  anew); else its ``state_dict()`` at the start of the pass (the pass then skips ``batches`` batches);
 - ``dataset``: the main process's ``dataset.state_dict()`` when the dataset is ``Stateful``;
 - ``workers``: per worker, its dataset copy's state after its last yielded batch (``state``), how
   many samples its IterableDataset iterator gave (``drawn``, for datasets without a state: the resumed
@@ -85,6 +87,10 @@ class Position:
         self.pass_no = 0  # passes made before this one under base_seed (persistent workers)
         self.rng0: dict[str, str] = {}
         self.sampler_start: Any = None
+        # a sampler whose state says where it is in the pass (it changes as it yields): its state after
+        # each batch's indices were drawn, by batch number (see _Iter._begin_pass)
+        self.positional = False
+        self.snapshots: dict[int, Any] = {}
         self.worker_state: list[Any] = [None] * workers
         self.drawn = [0] * workers
         self.ended = [False] * workers
@@ -102,6 +108,10 @@ class Position:
                     sampler_state = target.state_at(self.samples - self.base, ended=True)
                 else:
                     sampler_state = target.state_at(self.samples - self.base)
+            elif self.positional:
+                # after the prefix's last batch (or where the pass began); a pass seen to its end: None, the
+                # next pass begins anew as the saved run's does (its end state would resume an empty pass)
+                sampler_state = None if self.finished else self.snapshots.get(self.batches - 1, self.sampler_start)
             elif self.finished and stateful(target):
                 sampler_state = target.state_dict()
             else:
@@ -116,7 +126,7 @@ class Position:
             "pass": self.pass_no,
             "rng": None if self.finished else dict(self.rng0),
             "sampler": sampler_state,
-            "skip_batches": not self.finished and not has_state_at,
+            "skip_batches": not self.finished and not has_state_at and not self.positional,
             "dataset": loader.dataset.state_dict() if stateful(loader.dataset) else None,
             "workers": [{"state": s, "drawn": d, "ended": e}
                         for s, d, e in zip(self.worker_state, self.drawn, self.ended)],
