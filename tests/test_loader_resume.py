@@ -459,3 +459,78 @@ def test_a_map_style_state_resumes_with_another_number_of_workers(saved, resumed
     again = DataLoader(data, batch_size=2, num_workers=resumed)
     again.load_state_dict(state)
     assert [b.tolist() for b in again] == rest  # was an IndexError with fewer workers than saved
+
+
+class _Counted:
+    """A Stateful iterator, as an IterableDataset's ``__iter__`` may return (torchdata saves its state):
+    its samples draw from torch's RNG, whose state its own state carries."""
+
+    def __init__(self, values: list[int]):
+        self.values, self.i = values, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[int, int]:
+        if self.i >= len(self.values):
+            raise StopIteration
+        self.i += 1
+        return self.values[self.i - 1], int(torch.randint(1000, ()))
+
+    def state_dict(self) -> dict:
+        return {"i": self.i, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.i = state["i"]
+        torch.set_rng_state(state["rng"])
+
+
+class _IterOfState(IterableDataset):
+    def __iter__(self):
+        info = get_worker_info()
+        w, n = (info.id, info.num_workers) if info else (0, 1)
+        return _Counted(list(range(w, 24, n)))
+
+
+class _OwnIterator(IterableDataset):
+    """Its own iterator, whose ``__iter__`` sets the position to the worker's start (the restored position
+    must come back after it); its state exists only once it was iterated."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, n = (info.id, info.num_workers) if info else (0, 1)
+        self.pos = {"at": w * (24 // n), "end": (w + 1) * (24 // n)}
+        return self
+
+    def __next__(self) -> int:
+        if self.pos["at"] >= self.pos["end"]:
+            raise StopIteration
+        self.pos["at"] += 1
+        return self.pos["at"] - 1
+
+    def state_dict(self) -> dict:
+        return {"pos": dict(self.pos)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = dict(state["pos"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("kind", [_IterOfState, _OwnIterator])
+def test_an_iterable_datasets_stateful_iterator_resumes_where_it_was(kind, workers):
+    for k in (0, 3):
+        torch.manual_seed(0)
+        dl = DataLoader(kind(), batch_size=2, num_workers=workers)
+        it = iter(dl)
+        for _ in range(k):
+            next(it)
+        state = dl.state_dict()  # with workers, before any batch: no copy of the dataset was iterated yet
+        rest = [_listed(b) for b in it]
+        torch.manual_seed(1)  # a new job: its own random state
+        again = DataLoader(kind(), batch_size=2, num_workers=workers)
+        again.load_state_dict(state)
+        assert [_listed(b) for b in again] == rest, (kind.__name__, workers, k)
+
+
+def _listed(batch):
+    return batch.tolist() if isinstance(batch, torch.Tensor) else [x.tolist() for x in batch]

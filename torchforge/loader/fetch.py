@@ -16,6 +16,13 @@ __all__ = ["SKIPPED", "Source", "stateful"]
 SKIPPED = object()  #: what :meth:`Source.fetch` returns for a batch whose every sample was skipped
 
 
+ITERATOR = "__torchforge_iterator__"  #: the key of a Stateful iterator's state in a worker's state
+
+
+def _has_iterator(state: Any) -> bool:
+    return isinstance(state, dict) and ITERATOR in state and set(state) == {ITERATOR, "dataset"}
+
+
 def stateful(obj: Any) -> bool:
     """True for torchdata's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict()``."""
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
@@ -45,17 +52,34 @@ class Source:
         self._it: Any = None
         self.ended = False
 
-    def start(self, skip: int = 0) -> None:
-        """A fresh pass: a new iterator of an IterableDataset, advanced past ``skip`` samples."""
+    def start(self, skip: int = 0, state: Any = None) -> None:
+        """A fresh pass: ``state`` (what :meth:`state` returned) loaded, then a new iterator of an
+        IterableDataset, put back where it was by its own state when it has one (torchdata saves a
+        ``Stateful`` iterator's state as the dataset's: a dataset that is its own iterator and resets its
+        position in ``__iter__`` gets it back after), else advanced past ``skip`` samples."""
+        ds_state, it_state = (state["dataset"], state[ITERATOR]) if _has_iterator(state) else (state, None)
+        if ds_state is not None:
+            self.dataset.load_state_dict(ds_state)
         self.ended = False
         if self.iterable:
             self._it = iter(self.dataset)
+            if it_state is not None and stateful(self._it):
+                self._it.load_state_dict(it_state)
+                return
             for _ in range(skip):
                 try:
                     next(self._it)
                 except StopIteration:
                     self.ended = True
                     break
+
+    def state(self, dataset: bool = True) -> Any:
+        """What resumes this copy where it is: None, the dataset's ``state_dict()`` (with ``dataset``), or,
+        for an IterableDataset whose iterator is ``Stateful``, ``{ITERATOR: its state, "dataset": ...}``."""
+        ds = self.dataset.state_dict() if dataset and stateful(self.dataset) else None
+        if self.iterable and self._it is not None and stateful(self._it):
+            return {ITERATOR: self._it.state_dict(), "dataset": ds}
+        return ds
 
     def fetch(self, index: Any) -> tuple[Any, list, int]:
         """The collated batch for ``index``.

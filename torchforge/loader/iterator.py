@@ -344,17 +344,21 @@ class InProcessIter(_Iter):
         super().__init__(loader)
         self._source = Source(loader.dataset, iterable=self._iterable, auto_collation=self._auto_collation,
                               collate_fn=self._collate_fn, drop_last=self._drop_last, on_error=loader.on_error)
-        self._started = False
-
-    def _host_next(self) -> tuple[Any, tuple]:
-        loader = self._loader
-        if not self._started:
-            self._started = True
+        # the pass's iterator of an IterableDataset is made now, as torch's fetcher makes it at iter(): a
+        # state saved before the first batch holds a Stateful iterator's state too
+        state = self._pos.worker_state[0]
+        if state is not None:  # a Stateful iterator puts itself back where it was, its random state included
+            self._source.start(0, state)
+        else:
             # a Stateful dataset was put back where it was by load_state_dict; others are fast-forwarded,
             # with the caller's random generators left as they are (the run being resumed drew from
             # them while it yielded those samples, and the caller restores them as they were)
             with _kept_rng():
                 self._source.start(0 if stateful(loader.dataset) else self._pos.drawn[0])
+        self._pos.worker_state[0] = self._source.state(dataset=False)
+
+    def _host_next(self) -> tuple[Any, tuple]:
+        loader = self._loader
         while True:
             index = self._pull_index()
             if index is _NOTHING:
@@ -379,7 +383,7 @@ class InProcessIter(_Iter):
                 self._note_done(seq)
                 raise
             loader._count_skipped(skipped)
-            reply = Reply(0, seq, count=drawn)
+            reply = Reply(0, seq, count=drawn, state=self._source.state(dataset=False))  # (a Stateful iterator's)
             if batch is SKIPPED:
                 self._note_done(seq)
                 continue

@@ -17,7 +17,7 @@ class NewPass:
     """Start a pass: load a dataset state, make a fresh iterator of an IterableDataset."""
 
     pass_id: int
-    dataset_state: Any = None  #: passed to ``dataset.load_state_dict`` first, when not None
+    dataset_state: Any = None  #: the worker's state to resume from (``Source.start``), when not None
     skip: int = 0  #: IterableDataset: samples to draw and drop first (fast-forward without a state)
     shared_seed: int | None = None  #: an IterDataPipe's pass seed (torch's ``_shared_seed``), else None
 
@@ -55,4 +55,4 @@ class Reply:
     error: Any = None  #: a torch ``ExceptionWrapper`` of what user code raised
     ended: bool = False  #: the worker's IterableDataset iterator is exhausted
     count: int = 0  #: samples the task drew from the dataset (IterableDataset fast-forward)
-    state: Any = None  #: the worker's ``dataset.state_dict()`` after the task, when stateful
+    state: Any = None  #: the worker's state after the task (``Source.state``): its dataset's, its iterator's

@@ -20,7 +20,9 @@ dataset's own ``state_dict()`` return):
   does), its state after the last batch yielded was drawn (None at a pass's end: the next pass begins
   anew); else its ``state_dict()`` at the start of the pass (the pass then skips ``batches`` batches);
 - ``dataset``: the main process's ``dataset.state_dict()`` when the dataset is ``Stateful``;
-- ``workers``: per worker, its dataset copy's state after its last yielded batch (``state``), how
+- ``workers``: per worker, its dataset copy's state after its last yielded batch (``state``; with an
+  IterableDataset whose ``__iter__`` returns a ``Stateful`` iterator, that iterator's state too, loaded
+  after ``iter()``, as torchdata's StatefulDataLoader does; with ``num_workers=0`` the iterator's only), how
   many samples its IterableDataset iterator gave (``drawn``, for datasets without a state: the resumed
   worker draws and drops that many), and whether its iterator ended; ``assigned``: the workers of the
   batches already issued after the position, ``next_worker``: where the round-robin goes on.
@@ -127,7 +129,10 @@ class Position:
             "rng": None if self.finished else dict(self.rng0),
             "sampler": sampler_state,
             "skip_batches": not self.finished and not has_state_at and not self.positional,
-            "dataset": loader.dataset.state_dict() if stateful(loader.dataset) else None,
+            # (an IterableDataset's copy in the main process is never iterated when workers are: its
+            # workers' copies hold the state, and one that is made in __iter__ does not exist here)
+            "dataset": loader.dataset.state_dict() if stateful(loader.dataset) and not (
+                iterable and loader.num_workers > 0) else None,
             "workers": [{"state": s, "drawn": d, "ended": e}
                         for s, d, e in zip(self.worker_state, self.drawn, self.ended)],
             "assigned": list(self.assigned),

@@ -36,7 +36,7 @@ from torch.utils.data.graph_settings import apply_random_seed, apply_sharding
 
 from torchforge.errors import TorchforgeError
 from torchforge.loader import collate
-from torchforge.loader.fetch import SKIPPED, Source, stateful
+from torchforge.loader.fetch import SKIPPED, Source
 from torchforge.loader.messages import Forget, NewPass, Reply, Task
 from torchforge.loader.slabs import SlabWriter
 from torchforge.loader.transport import encode
@@ -112,7 +112,6 @@ def _worker_main(wid: int, conn: Any, spec: WorkerSpec, parent: int) -> None:
         init_error = Caught(where=where)
     source = Source(dataset, iterable=spec.iterable, auto_collation=spec.auto_collation,
                     collate_fn=spec.collate_fn, drop_last=spec.drop_last, on_error=spec.on_error)
-    keeps_state = stateful(dataset)
     writer = SlabWriter()
     try:
         while True:
@@ -128,9 +127,7 @@ def _worker_main(wid: int, conn: Any, spec: WorkerSpec, parent: int) -> None:
                 if init_error is None:
                     try:
                         _seed_datapipe(dataset, msg.shared_seed)
-                        if msg.dataset_state is not None:
-                            dataset.load_state_dict(msg.dataset_state)
-                        source.start(msg.skip)
+                        source.start(msg.skip, msg.dataset_state)
                     except Exception:  # noqa: BLE001 - an error in __iter__ comes with the first task
                         init_error = Caught(where=where)
             else:
@@ -138,8 +135,8 @@ def _worker_main(wid: int, conn: Any, spec: WorkerSpec, parent: int) -> None:
                     reply, init_error = Reply(msg.pass_id, msg.seq, msg.slab, error=init_error), None
                 else:
                     reply = _run(msg, source, writer, where)
-                if keeps_state and reply.error is None:
-                    reply.state = dataset.state_dict()
+                if reply.error is None:
+                    reply.state = source.state()
                 conn.send(reply)
     except (EOFError, OSError, KeyboardInterrupt):
         return
