@@ -534,3 +534,56 @@ def test_an_iterable_datasets_stateful_iterator_resumes_where_it_was(kind, worke
 
 def _listed(batch):
     return batch.tolist() if isinstance(batch, torch.Tensor) else [x.tolist() for x in batch]
+
+
+class _Served(Dataset):
+    """Each copy counts the samples it served (a curriculum's step, say): its state."""
+
+    def __init__(self):
+        self.served = 0
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        self.served += 1
+        return i, self.served
+
+    def state_dict(self) -> dict:
+        return {"served": self.served}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.served = state["served"]
+
+
+class _Epochs(IterableDataset):
+    """Counts its passes: the count changes as the pass ends, after the worker's last batch."""
+
+    def __init__(self):
+        self.epoch = 0
+
+    def __iter__(self):
+        info = get_worker_info()
+        for i in range(info.id, 6, info.num_workers):
+            yield i, self.epoch
+        self.epoch += 1
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = state["epoch"]
+
+
+@pytest.mark.parametrize("kind", [_Served, _Epochs])
+def test_persistent_workers_dataset_states_at_an_epoch_boundary_carry_into_the_next_epoch(kind):
+    def loader():
+        return DataLoader(kind(), batch_size=None, num_workers=2, persistent_workers=True)
+
+    dl = loader()
+    list(dl)
+    state = dl.state_dict()  # at the boundary: the saved run's workers keep their copies into epoch 1
+    expected = [tuple(int(x) for x in b) for b in dl]
+    again = loader()
+    again.load_state_dict(state)
+    assert [tuple(int(x) for x in b) for b in again] == expected

@@ -12,6 +12,7 @@ import torch
 import torch.utils.data
 from torch.utils.data.dataloader import _DatasetKind
 
+from torchforge.loader.fetch import dataset_part
 from torchforge.loader.iterator import InProcessIter, WorkerIter
 from torchforge.loader.slabs import SlabPool
 from torchforge.loader.state import STATE_VERSION, Position, sampler_of, set_rng
@@ -83,6 +84,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.skipped = 0  #: samples left out under on_error="skip", over the loader's lifetime
         self._resume: dict[str, Any] | None = None
         self._loaded_end: dict[str, Any] | None = None  # a loaded state saved at a pass's end
+        self._carried_states: list[Any] | None = None  # its persistent workers' dataset states
         self._epoch_at_load: int | None = None  # the sampler's epoch when a pending state was loaded
         self._carried_seed: tuple[int, int] | None = None  # persistent workers resumed at a pass boundary:
         # (base seed, passes made under it)
@@ -185,12 +187,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._resume = None
         self._loaded_end = dict(state)  # until the next pass begins, state_dict() says this, not a live pass's
         if self.persistent_workers and self.num_workers > 0 and state["base_seed"] is not None:
-            # the saved run's workers went on into the next pass with their base seed (torch's _reset)
+            # the saved run's workers went on into the next pass with their base seed (torch's _reset), and
+            # with their dataset copies as they were: this loader's new workers start from those states
             self._carried_seed = (int(state["base_seed"]), int(state.get("pass", 0)))
+            states = [dataset_part(w.get("state")) for w in state["workers"] or []]
+            if len(states) == self.num_workers and any(s is not None for s in states):
+                self._carried_states = states
         if state["sampler"] is not None:
             sampler_of(self).load_state_dict(state["sampler"])
         if state.get("generator") and self.generator is not None:
             set_rng({"loader": self.generator}, {"loader": state["generator"]})
+
+    def _take_carried_states(self) -> list[Any] | None:
+        states, self._carried_states = self._carried_states, None
+        return states
 
     def _take_carried_seed(self) -> tuple[int, int] | None:
         seed, self._carried_seed = self._carried_seed, None

@@ -11,7 +11,7 @@ from torch.utils.data._utils.collate import default_collate as _torch_default_co
 
 from torchforge.loader.collate import default_collate
 
-__all__ = ["SKIPPED", "Source", "stateful"]
+__all__ = ["SKIPPED", "Source", "dataset_part", "stateful"]
 
 SKIPPED = object()  #: what :meth:`Source.fetch` returns for a batch whose every sample was skipped
 
@@ -21,6 +21,11 @@ ITERATOR = "__torchforge_iterator__"  #: the key of a Stateful iterator's state 
 
 def _has_iterator(state: Any) -> bool:
     return isinstance(state, dict) and ITERATOR in state and set(state) == {ITERATOR, "dataset"}
+
+
+def dataset_part(state: Any) -> Any:
+    """The dataset's own state in what :meth:`Source.state` returned (without a Stateful iterator's)."""
+    return state["dataset"] if _has_iterator(state) else state
 
 
 def stateful(obj: Any) -> bool:

@@ -109,6 +109,9 @@ class _Iter(_BaseDataLoaderIter):
         n = max(loader.num_workers, 1)
         prev = getattr(self, "_pos", None)
         self._pos = loader._pos = Position(n)
+        carried = loader._take_carried_states()
+        if carried is not None and resume is None:  # a pass-end state of persistent workers (see load_state_dict)
+            self._pos.worker_state = list(carried)
         found = get_rng(gens)  # before the iterator's own draws (torch's base seed)
         replay = resume is not None and resume.get("rng")
         user_rng = torch.get_rng_state() if replay else None
@@ -534,6 +537,8 @@ class WorkerIter(_Iter):
             pool.release(entry[2])
             if reply.ended:
                 self._pos.ended[w] = True
+                if reply.state is not None:  # as the worker's copy ends the pass (its __iter__ may change it)
+                    self._pos.worker_state[w] = reply.state
             self._note_done(seq)
             self._fill()
             if reply.error is not None:
