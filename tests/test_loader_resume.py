@@ -587,3 +587,31 @@ def test_persistent_workers_dataset_states_at_an_epoch_boundary_carry_into_the_n
     again = loader()
     again.load_state_dict(state)
     assert [tuple(int(x) for x in b) for b in again] == expected
+
+
+class _RngState(Dataset):
+    """Its state is its process's torch random state, from which each sample draws."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> int:
+        return int(torch.randint(100, ()))
+
+    def state_dict(self) -> dict:
+        return {"rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["rng"])
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_a_state_loaded_back_into_the_loader_with_live_persistent_workers_resumes_as_a_fresh_one(k):
+    dl = DataLoader(_RngState(), batch_size=None, num_workers=2, persistent_workers=True)
+    it = iter(dl)
+    for _ in range(k):
+        next(it)
+    state = dl.state_dict()
+    expected = [int(b) for b in it]
+    dl.load_state_dict(state)  # roll back: its workers went on past the state
+    assert [int(b) for b in dl] == expected

@@ -178,6 +178,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                              f"of order (in_order=False: batches {state['extra'][:8]} ahead of batch "
                              f"{state['batches']}); it resumes at that world size only, not at "
                              f"{target.world_size}")
+        if self._iterator is not None:
+            # persistent workers hold their dataset copies and random streams as this loader's last pass
+            # left them: the state resumes on new ones, as in a fresh loader
+            self.close()
         if state["dataset"] is not None:
             self.dataset.load_state_dict(state["dataset"])
         if not finished:
