@@ -204,6 +204,28 @@ def _plain(b):
     return b.tolist() if isinstance(b, torch.Tensor) else b
 
 
+class _SlowFirst(Dataset):
+    """Sample 0 takes a second; each sample says which worker made it."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        if i == 0:
+            import time
+
+            time.sleep(1.0)
+        return get_worker_info().id, i
+
+
+def test_in_order_false_passes_over_a_worker_stuck_on_a_slow_sample_as_torchs_does():
+    kw = {"num_workers": 2, "prefetch_factor": 2, "in_order": False}
+    want = [(int(w), int(i)) for w, i in TorchLoader(_SlowFirst(), **kw)]
+    got = [(int(w), int(i)) for w, i in DataLoader(_SlowFirst(), **kw)]
+    # the stuck worker keeps its 2 tasks (0 and 2) and gets no more: the other serves the rest meanwhile
+    assert got == want == [(1, 1), (1, 3), (1, 4), (1, 5), (1, 6), (1, 7), (1, 8), (1, 9), (0, 0), (0, 2)]
+
+
 def test_worker_info_inside_workers():
     class Info(Dataset):
         def __len__(self):

@@ -19,6 +19,7 @@ which worker died and how, in torch's words.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -61,6 +62,9 @@ def batch_seed(base_seed: int, seq: int, pass_no: int = 0) -> int:
     x ^= x >> 31
     x = (x * 0xD6E8FEB86659FD93) % 2**64
     return (x ^ (x >> 32)) & (2**63 - 1)
+
+
+_BUSY = object()  #: :meth:`WorkerIter._pick`: no worker has room for another task now
 
 
 class _Options:
@@ -471,6 +475,8 @@ class WorkerIter(_Iter):
             if w is None:
                 self._sampler_done = True
                 return
+            if w is _BUSY:
+                return
             index = self._pull_index()
             if index is _NOTHING:
                 self._sampler_done = True
@@ -484,17 +490,25 @@ class WorkerIter(_Iter):
             self._tasks[seq] = [w, index, sid, 0]
             self._send(seq)
 
-    def _pick(self) -> int | None:
-        """The worker of the next task: a worker saved as assigned, else the next active one in turn."""
+    def _pick(self) -> Any:
+        """The worker of the next task: a worker saved as assigned, else the next active one in turn;
+        None when every worker's iterator ended. With ``in_order=False``, as torch's loader does, a worker
+        gets a task only while it has fewer than its share of the window in flight (one stuck on a slow
+        sample is passed over), and :data:`_BUSY` when none has room."""
         if self._assigned:
             return self._assigned.pop(0)
         n = len(self._pos.ended)
+        active = n - sum(self._pos.ended)
+        if not active:
+            return None
+        share = self._window // active if not self._loader.in_order else None
+        busy = collections.Counter(entry[0] for entry in self._tasks.values()) if share is not None else None
         for k in range(n):
             w = (self._rr + k) % n
-            if not self._pos.ended[w]:
+            if not self._pos.ended[w] and (busy is None or busy[w] < share):
                 self._rr = (w + 1) % n
                 return w
-        return None
+        return _BUSY
 
     def _send(self, seq: int) -> None:
         w, index, sid, _ = self._tasks[seq]
