@@ -515,8 +515,21 @@ class _OwnIterator(IterableDataset):
         self.pos = dict(state["pos"])
 
 
+class _MadeInIter(_OwnIterator):
+    """Its state object is made by ``__iter__``: its ``load_state_dict`` works only after it."""
+
+    def __iter__(self):
+        super().__iter__()
+        self.made = True
+        return self
+
+    def load_state_dict(self, state: dict) -> None:
+        assert self.made, "load_state_dict before __iter__"
+        super().load_state_dict(state)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("kind", [_IterOfState, _OwnIterator])
+@pytest.mark.parametrize("kind", [_IterOfState, _OwnIterator, _MadeInIter])
 def test_an_iterable_datasets_stateful_iterator_resumes_where_it_was(kind, workers):
     for k in (0, 3):
         torch.manual_seed(0)

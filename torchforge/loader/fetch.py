@@ -83,8 +83,14 @@ class Source:
         for an IterableDataset whose iterator is ``Stateful``, ``{ITERATOR: its state, "dataset": ...}``."""
         ds = self.dataset.state_dict() if dataset and stateful(self.dataset) else None
         if self.iterable and self._it is not None and stateful(self._it):
-            return {ITERATOR: self._it.state_dict(), "dataset": ds}
+            # a dataset that is its own iterator: its state once, loaded after iter() (its __iter__ may make
+            # what its load_state_dict sets)
+            return {ITERATOR: self._it.state_dict(), "dataset": None if self.own_iterator() else ds}
         return ds
+
+    def own_iterator(self) -> bool:
+        """The IterableDataset is its own iterator (``__iter__`` returns it)."""
+        return self.iterable and self._it is self.dataset
 
     def fetch(self, index: Any) -> tuple[Any, list, int]:
         """The collated batch for ``index``.

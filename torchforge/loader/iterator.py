@@ -363,6 +363,7 @@ class InProcessIter(_Iter):
             with _kept_rng():
                 self._source.start(0 if stateful(loader.dataset) else self._pos.drawn[0])
         self._pos.worker_state[0] = self._source.state(dataset=False)
+        self._pos.own_iterator = self._pos.worker_state[0] is not None and self._source.own_iterator()
 
     def _host_next(self) -> tuple[Any, tuple]:
         loader = self._loader

@@ -92,6 +92,7 @@ class Position:
         # a sampler whose state says where it is in the pass (it changes as it yields): its state after
         # each batch's indices were drawn, by batch number (see _Iter._begin_pass)
         self.positional = False
+        self.own_iterator = False  # num_workers=0: the IterableDataset is its own (Stateful) iterator
         self.snapshots: dict[int, Any] = {}
         self.worker_state: list[Any] = [None] * workers
         self.drawn = [0] * workers
@@ -131,8 +132,9 @@ class Position:
             "skip_batches": not self.finished and not has_state_at and not self.positional,
             # (an IterableDataset's copy in the main process is never iterated when workers are: its
             # workers' copies hold the state, and one that is made in __iter__ does not exist here)
+            # (nor one that is its own iterator: its state is the iterator's, in "workers", loaded after iter())
             "dataset": loader.dataset.state_dict() if stateful(loader.dataset) and not (
-                iterable and loader.num_workers > 0) else None,
+                iterable and (loader.num_workers > 0 or self.own_iterator)) else None,
             "workers": [{"state": s, "drawn": d, "ended": e}
                         for s, d, e in zip(self.worker_state, self.drawn, self.ended)],
             "assigned": list(self.assigned),
