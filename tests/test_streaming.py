@@ -229,3 +229,23 @@ def test_patched_reader_survives_another_thread_closing_its_map(write_mds, tmp_p
     finally:
         sys.setswitchinterval(interval)
     assert not errors, errors[0]
+
+
+def test_an_error_in_a_shard_streaming_decompressed_names_the_compressed_file_to_replace(write_mds, tmp_path):
+    import zstandard
+
+    from torchforge.errors import CorruptShardError
+
+    tfs.patch()
+    src = write_mds(str(tmp_path / "src"), list(mds_rows(40, 16)), size_limit=1 << 14, compression="zstd")
+    zipped = os.path.join(src, "shard.00001.mds.zstd")
+    with open(zipped, "rb") as f:
+        raw = bytearray(zstandard.ZstdDecompressor().decompressobj().decompress(f.read()))
+    at = raw.index(b"{")  # the shard's config JSON: damaged, in a file that decompresses cleanly
+    raw[at] = ord("[")
+    with open(zipped, "wb") as f:
+        f.write(zstandard.ZstdCompressor().compress(bytes(raw)))
+    ds = _dataset(tmp_path, src)
+    with pytest.raises(CorruptShardError, match=r"decompressed this file from shard\.00001\.mds\.zstd") as e:
+        list(ds)
+    assert e.value.path.endswith("shard.00001.mds") and str(e.value).count("decompressed this file") == 1

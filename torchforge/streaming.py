@@ -78,6 +78,7 @@ _cls: Any = None
 def _build_reader_class() -> type:
     from streaming.base.format.mds.reader import MDSReader
 
+    from torchforge.errors import TorchforgeError
     from torchforge.formats.mds_reader import MDSShard, SampleDecoder, parse_shard_entry
 
     class MDSStreamingReader(MDSReader):
@@ -120,7 +121,8 @@ def _build_reader_class() -> type:
                 # FileNotFoundError propagates: StreamingDataset.get_item downloads the shard and retries.
                 fd = os.open(path, os.O_RDONLY)
                 try:
-                    shard = MDSShard(path, self._meta, allow_unsafe_types=True)
+                    with self._named():
+                        shard = MDSShard(path, self._meta, allow_unsafe_types=True)
                 except BaseException:
                     os.close(fd)
                     raise
@@ -152,9 +154,27 @@ def _build_reader_class() -> type:
             return self._read(shard, lambda s: bytes(s.raw(idx)))
 
         def decode_sample(self, data: bytes) -> dict[str, Any]:
-            return self._decoder.decode(data)
+            with self._named():
+                return self._decoder.decode(data)
+
+        @contextlib.contextmanager
+        def _named(self) -> Any:
+            """An error in a shard Streaming decompressed from its ``zip_data`` file (``.mds.zstd``) says
+            so: that file is the one to replace (the decompressed one is Streaming's copy)."""
+            try:
+                yield
+            except TorchforgeError as e:
+                if self.zip_data is not None and self.compression and "Streaming decompressed this file" not in e.reason:
+                    e.reason += (f" (Streaming decompressed this file from {self.zip_data.basename}: that is the "
+                                 "file to replace)")
+                    e.args = (str(e),)
+                raise
 
         def get_item(self, idx: int) -> dict[str, Any]:
+            with self._named():
+                return self._get_item(idx)
+
+        def _get_item(self, idx: int) -> dict[str, Any]:
             # One fstat per sample: a shard deleted behind our back (eviction by another worker, a user)
             # must raise FileNotFoundError as Streaming's reader does, so that Streaming fetches it again.
             shard = self._shard
