@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import multiprocessing as mp
 import os
 import sys
@@ -43,11 +44,13 @@ class Net(torch.nn.Module):
 def _build(kind: str, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     m = Net()
-    if kind == "fsdp":
+    if kind in ("fsdp", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        # HSDP: a 2D mesh, replicated across its first dim and sharded across its second
+        mesh = (init_device_mesh("cpu", (world,)) if kind == "fsdp"
+                else init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
         fully_shard(m.a, mesh=mesh)
         fully_shard(m, mesh=mesh)
     elif kind == "ddp":
@@ -256,6 +259,28 @@ def test_restore_into_a_meta_model_in_a_plain_process_is_an_error(saved):
         m, _ = _build("plain", 1)
     with pytest.raises(CheckpointError, match=r"meta device.*to_empty"):
         Checkpointer(str(saved / "ck-fsdp")).restore(model=m)
+
+
+def test_hsdp_saves_each_slice_once_and_restores_at_other_world_sizes_and_layouts(tmp_path):
+    """HSDP (2x2 mesh at world size 4) holds each slice on two ranks: one writes it (the step was committed
+    with every slice twice, and no restore could read it: 'chunks do not tile the shape')."""
+    job = {"kind": "hsdp", "phase": "save", "steps": 3, "root": str(tmp_path / "ck"), "out": str(tmp_path),
+           "name": "save-hsdp"}
+    assert _spawn(4, job, tmp_path) == [0, 0, 0, 0]
+    assert "error" not in _result(tmp_path, "save-hsdp", 0)
+    ref = load_file(tmp_path / "save-hsdp.safetensors")
+    full, _ = _restore_plain(job["root"])
+    _same(ref, full)
+    manifest = json.loads((Path(Checkpointer(job["root"]).path(3)) / "manifest.json").read_text())
+    for name, entry in manifest["tensors"].items():  # written once: the chunks' elements are the tensor's
+        total = 1
+        for z in entry["shape"]:
+            total *= z
+        assert sum(math.prod(c["sizes"]) for c in entry["chunks"]) == total, name
+    back = {"kind": "fsdp", "phase": "restore", "steps": 3, "root": job["root"], "out": str(tmp_path),
+            "name": "hsdp-into-fsdp-2"}
+    assert _spawn(2, back, tmp_path) == [0, 0]
+    _same(ref, load_file(tmp_path / "hsdp-into-fsdp-2.safetensors"))
 
 
 class Tied(torch.nn.Module):

@@ -48,6 +48,7 @@ import shutil
 import time
 import uuid
 import weakref
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -139,6 +140,22 @@ def _replicated_everywhere(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import Replicate
 
     return all(isinstance(p, Replicate) for p in t.placements)
+
+
+def _writes_its_replica(name: str, t: torch.Tensor) -> bool:
+    """Whether this rank writes its slice of ``t``: a DTensor sharded on some mesh dims and replicated on
+    others (HSDP's 2D mesh) has each slice on every rank along the replicated dims, and one of them writes
+    it: the one at coordinate ``crc32(name) % size`` of each such dim, so the tensors spread over the
+    replicas."""
+    if not _is_dtensor(t):
+        return True
+    from torch.distributed.tensor import Replicate
+
+    mesh, coord = t.device_mesh, t.device_mesh.get_coordinate()
+    if coord is None:  # not in the mesh: holds nothing
+        return False
+    pick = zlib.crc32(name.encode())
+    return all(coord[d] == pick % mesh.size(d) for d, p in enumerate(t.placements) if isinstance(p, Replicate))
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -267,6 +284,9 @@ def _plan(ck: Any, items: dict[str, torch.Tensor], owner0: set[str], rank: int, 
             shape_of.append((name, "r", list(full.shape), str(full.dtype)))
         else:
             local, offsets, sizes = _local_region(t)
+            if not _writes_its_replica(name, t):  # (HSDP: the same slice on every rank of a replicate dim)
+                shape_of.append((name, "d", offsets + sizes, str(local.dtype)))
+                continue
             mine.append((name, local, offsets, sizes))
             sharded_bytes += local.numel() * local.element_size()
             shape_of.append((name, "s", offsets + sizes, str(local.dtype)))
