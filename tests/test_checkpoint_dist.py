@@ -283,6 +283,44 @@ def test_hsdp_saves_each_slice_once_and_restores_at_other_world_sizes_and_layout
     _same(ref, load_file(tmp_path / "hsdp-into-fsdp-2.safetensors"))
 
 
+def test_a_save_before_the_first_optimizer_step_leaves_the_optimizer_and_the_training_as_they_were(tmp_path):
+    """torch's get_optimizer_state_dict fills a never-stepped optimizer's state by stepping it with lr 0
+    (AdamW's step counts became 1, and every later update differed from the run without the save)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def run(save: bool, restore: bool) -> list[float]:
+        torch.manual_seed(0)
+        m = Net()
+        fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        ck = Checkpointer(tmp_path / "ck")
+        if save:
+            ck.save(0, model=m, optimizer=opt)
+            assert not opt.state  # still never stepped
+        if restore:
+            ck.restore(0, model=m, optimizer=opt)
+            assert not opt.state
+        ck.close()
+        losses = []
+        for s in range(3):
+            x = torch.randn(8, 5, generator=torch.Generator().manual_seed(s))
+            opt.zero_grad()
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        plain = run(save=False, restore=False)
+        assert run(save=True, restore=False) == plain
+        assert run(save=False, restore=True) == plain  # the step-0 checkpoint restores a fresh optimizer
+    finally:
+        dist.destroy_process_group()
+
+
 class Tied(torch.nn.Module):
     def __init__(self, tie: bool) -> None:
         super().__init__()

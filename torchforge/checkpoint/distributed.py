@@ -179,19 +179,28 @@ def _canonical_state(ck: Any, model: torch.nn.Module | None, optimizer: torch.op
     whose helpers differ, goes through the public functions every time."""
     if model is None:
         return None, None
+    fresh = optimizer is not None and not any(optimizer.state.get(p) for g in optimizer.param_groups
+                                              for p in g["params"])
     info = _state_dict_info(ck, model)
     if info is None:  # another torch: the public functions
-        return _model_state(model), _optimizer_state(model, optimizer) if optimizer is not None else None
-    from torch.distributed.checkpoint import state_dict as sd
+        model_state, optim_state = _model_state(model), _optimizer_state(model, optimizer) if optimizer else None
+    else:
+        from torch.distributed.checkpoint import state_dict as sd
 
-    with sd._gc_context():
-        model_state = sd._get_model_state_dict(model, info)
-        sd._verify_state_dict(model_state, {}, info)
-        optim_state = None
-        if optimizer is not None:
-            oinfo = dataclasses.replace(info, handle_model=False, handle_optim=True)
-            optim_state = sd._get_optim_state_dict(model, (optimizer,), oinfo)
-            sd._verify_state_dict({}, optim_state, oinfo)
+        with sd._gc_context():
+            model_state = sd._get_model_state_dict(model, info)
+            sd._verify_state_dict(model_state, {}, info)
+            optim_state = None
+            if optimizer is not None:
+                oinfo = dataclasses.replace(info, handle_model=False, handle_optim=True)
+                optim_state = sd._get_optim_state_dict(model, (optimizer,), oinfo)
+                sd._verify_state_dict({}, optim_state, oinfo)
+    if fresh:
+        # torch fills a never-stepped optimizer's state by stepping it with lr 0 (_init_optim_state): AdamW's
+        # step counts became 1, and the training after a step-0 save changed. The optimizer is put back as
+        # it was, and saved as it was: no state (restored, it has none, as after load_state_dict)
+        optimizer.state.clear()
+        optim_state["state"] = {}
     return model_state, optim_state
 
 
