@@ -254,6 +254,17 @@ def test_restore_in_a_plain_process_is_exact(saved, saved_kind):
     assert res["extra"] == [1, [0, 1, 2]] and res["read"]["bytes_read"] == res["read"]["bytes_needed"]
 
 
+@pytest.mark.parametrize("saved_kind", ["fsdp", "ddp"])
+def test_restore_into_an_optimizer_with_other_param_groups_is_an_error_before_anything_changes(saved, saved_kind):
+    m, _ = _build("plain", 1)
+    params = list(m.parameters())
+    two = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], lr=0.01)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"optimizer has groups of sizes \[2, \d+\], the checkpoint \[\d+\]"):
+        Checkpointer(str(saved / f"ck-{saved_kind}")).restore(model=m, optimizer=two)
+    _same(before, m.state_dict())  # (torch's loader folded the groups into one, silently)
+
+
 def test_restore_into_a_meta_model_in_a_plain_process_is_an_error(saved):
     with torch.device("meta"):
         m, _ = _build("plain", 1)

@@ -955,6 +955,8 @@ def restore_distributed(ck: Any, step: int, folder: str, manifest: dict[str, Any
         raise CheckpointError("manifest.json is damaged: no 'spec' or 'tensors' table", path=where)
     check_tensors(folder, manifest)
     with damaged(f"step {step}", "manifest.json", where):
+        if optimizer is not None and "optimizer" in spec:
+            _check_groups(spec["optimizer"], optimizer, where)  # before the model changes: all or nothing
         if model is not None:
             if "model" not in spec:
                 raise CheckpointError(f"step {step} holds no model state", path=where)
@@ -1041,8 +1043,19 @@ def _restore_optimizer(reader: _Reader, model: Any, optimizer: Any, spec: Any, w
             return t
         return reader.whole(name, p.device if p is not None and not _is_dtensor(p) else "cpu")
 
-    osd = decode(spec, like)
-    set_optimizer_state_dict(model, optimizer, osd)
+    _check_groups(spec, optimizer, where)
+    set_optimizer_state_dict(model, optimizer, decode(spec, like))
+
+
+def _check_groups(spec: Any, optimizer: Any, where: str) -> None:
+    """The optimizer's param groups hold as many parameters as the stored ones (torch's loader folds
+    groups that differ into one, each group's settings lost)."""
+    groups = spec.get("param_groups") if isinstance(spec, dict) else None
+    saved = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else None
+             for g in groups] if isinstance(groups, list) else None
+    have = [len(g["params"]) for g in optimizer.param_groups]
+    if saved != have:
+        raise CheckpointError(f"optimizer has groups of sizes {have}, the checkpoint {saved}", path=where)
 
 
 def _fqn_of(name: str, canon: dict[str, Any]) -> str | None:
