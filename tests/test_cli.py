@@ -125,7 +125,7 @@ def test_convert_errors_are_one_line_with_no_traceback(tmp_path, fixture_copy, c
     for argv, code, says in (
             (["--to", "jinx", "-o", "bogus=1"], 1, "takes no option 'bogus'"),
             (["--to", "mds", "--columns", "{bad"], 2, "--columns is not JSON"),
-            (["--to", "mds", "--columns", '{"id": "str"}'], 1, "encoding 'str'"),
+            (["--to", "mds", "--columns", '{"id": "str"}'], 1, "fields ['arr', 'image', 'label'"),
     ):
         assert main(["convert", src, str(tmp_path / "x"), "-q", *argv]) == code, argv
         err = capsys.readouterr().err
@@ -342,3 +342,40 @@ def test_verify_of_a_path_that_does_not_exist_is_a_command_error_not_damage(tmp_
     assert main(["verify", missing]) == 1
     out, err = capsys.readouterr()
     assert "DAMAGED" not in out and "NotFoundError" in err and missing in err, (out, err)
+
+
+def test_convert_refuses_fields_the_mds_columns_leave_out_and_values_they_cannot_hold(tmp_path, capsys):
+    from torchforge.formats.jinx import JinxWriter
+
+    src = str(tmp_path / "src")
+    with JinxWriter(src) as w:
+        w.write({"id": 1, "label": "cat", "x": 0.5})
+        w.write({"id": 2, "label": "dog", "x": 1e40})
+    for columns, says in (
+            ('{"id": "int"}', "sample 0 has fields ['label', 'x'] that the MDS columns ['id'] do not hold"),
+            ('{"id": "int", "label": "str", "x": "float32"}', "sample 1: column 'x' (float32)"),
+            ('{"id": "int8", "label": "str", "x": "float64"}', None),
+    ):
+        dst = tmp_path / "out"
+        code = main(["convert", src, str(dst), "--to", "mds", "-q", "--columns", columns])
+        err = capsys.readouterr().err
+        if says is None:  # (float64 holds 1e40)
+            assert code == 0 and [float(s["x"]) for s in open_dataset(str(dst))] == [0.5, 1e40]
+            continue
+        assert code == 1 and says in err and src in err and not dst.exists(), err  # was: exit 0, fields or
+        #                                                                             values dropped or inf
+
+
+def test_convert_removes_what_a_killed_convert_into_the_same_destination_left(tmp_path, fixture_copy, capsys):
+    from torchforge._proc import host_name
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead, alive = int(done.stdout), os.getppid()  # (this process is the convert itself: main() runs here)
+    for pid in (dead, alive):
+        stage = tmp_path / f".dst.converting-h{host_name()}-p{pid}"
+        stage.mkdir()
+        (stage / "shard.00000.mds").write_bytes(b"x" * 1000)
+    assert main(["convert", fixture_copy("mds-streaming-none"), str(tmp_path / "dst"), "--to", "jinx", "-q"]) == 0
+    left = sorted(n for n in os.listdir(tmp_path) if n.startswith(".dst"))
+    assert left == [f".dst.converting-h{host_name()}-p{alive}"]  # a live convert's is left alone

@@ -586,3 +586,13 @@ def test_json_columns_keep_integers_beyond_64_bits_exact(tmp_path):
     got = [s["j"] for s in MDSDataset(str(tmp_path / "m"))]
     assert got == values and all(type(a) is type(b) for g, v in zip(got, values) for a, b in zip(g.values(), v.values()))
     assert type(got[2]["n"][0]) is int and type(got[4]["f"]) is float
+
+
+def test_scalar_encodings_refuse_values_out_of_their_range_instead_of_wrapping_or_overflowing_to_inf():
+    from torchforge.formats.mds_encodings import get_encoding
+
+    for name, value in (("int16", np.int64(70000)), ("uint8", np.int64(-1)), ("float16", 70000), ("float32", 1e40)):
+        with pytest.raises(OverflowError, match=name):
+            get_encoding(name).encode(value)
+    for name, value in (("float32", 0.1), ("float32", float("inf")), ("float64", 2**53 + 1), ("int64", True)):
+        get_encoding(name).encode(value)  # rounding to the type's precision, and infinities, are the type's

@@ -377,8 +377,18 @@ def _convert(src: str, dst: str, to: str, progress: bool, remote: dict[str, Any]
     kind, start_pass, total = open_source(src, **remote)
     bar = _progress(total, f"{kind} -> {to}") if progress else None
     with _writer(to, dst, start_pass, dict(options)) as w:
+        names = set(w.column_names) if to == "mds" else None
         for sample in start_pass(stats):
-            w.write(sample)
+            if names is not None:  # MDS keeps its columns only: a field beyond them would be lost
+                extra = sorted(k for k in sample if k not in names)
+                if extra:
+                    raise FormatError(f"sample {stats.written} has fields {extra} that the MDS columns "
+                                      f"{sorted(names)} do not hold: list them in columns= (--columns), or "
+                                      "they would be dropped", path=src)
+            try:
+                w.write(sample)
+            except FormatError as e:  # the sample and the source, not the output being written
+                raise FormatError(f"sample {stats.written}: {e.reason}", path=src) from e
             stats.written += 1
             if bar is not None:
                 bar.update(1)

@@ -118,7 +118,17 @@ def _scalar(name: str) -> Encoding:
     size = dtype.itemsize
 
     def enc(obj: Any) -> bytes:
-        return typ(_as_array(obj)).tobytes()
+        value = _as_array(obj)
+        with np.errstate(over="ignore"):  # (checked below: an error, not a warning)
+            out = typ(value)
+        # a value the type cannot hold is an error, not a wrapped integer or an infinity (a float's
+        # rounding to the type's precision is the type's and stays)
+        if dtype.kind in "iu" and np.ndim(value) == 0 and np.asarray(value).dtype.kind in "iub" \
+                and int(out) != int(value):
+            raise OverflowError(f"encoding {name!r}: {obj!r} is out of its range")
+        if dtype.kind == "f" and np.isinf(out) and np.ndim(value) == 0 and np.isfinite(np.float64(value)):
+            raise OverflowError(f"encoding {name!r}: {obj!r} is beyond its range (it would be stored as inf)")
+        return out.tobytes()
 
     def dec(data: Buffer) -> Any:
         if len(data) != size:
