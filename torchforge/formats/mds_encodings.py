@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 import struct
 import sys
@@ -117,17 +118,23 @@ def _scalar(name: str) -> Encoding:
     typ = _SCALAR_TYPES[name]
     size = dtype.itemsize
 
+    # a value the type cannot hold is an error, not a wrapped integer or an infinity (a float's rounding
+    # to the type's precision is the type's and stays; a Python int out of range numpy refuses itself)
+    limit = float(np.finfo(dtype).max) if dtype.kind == "f" else None
+
     def enc(obj: Any) -> bytes:
         value = _as_array(obj)
-        with np.errstate(over="ignore"):  # (checked below: an error, not a warning)
-            out = typ(value)
-        # a value the type cannot hold is an error, not a wrapped integer or an infinity (a float's
-        # rounding to the type's precision is the type's and stays)
-        if dtype.kind in "iu" and np.ndim(value) == 0 and np.asarray(value).dtype.kind in "iub" \
-                and int(out) != int(value):
+        if limit is not None:
+            if type(value) is not float and np.ndim(value):
+                return typ(value).tobytes()  # (an array: numpy's own conversion, as Streaming's)
+            v = float(value)
+            if limit < abs(v) < math.inf:
+                raise OverflowError(f"encoding {name!r}: {obj!r} is beyond its range (it would be stored as inf)")
+            return typ(value).tobytes()
+        out = typ(value)
+        if type(value) is not int and isinstance(value, (np.integer, np.ndarray)) and np.ndim(value) == 0 \
+                and np.asarray(value).dtype.kind in "iu" and int(out) != int(value):
             raise OverflowError(f"encoding {name!r}: {obj!r} is out of its range")
-        if dtype.kind == "f" and np.isinf(out) and np.ndim(value) == 0 and np.isfinite(np.float64(value)):
-            raise OverflowError(f"encoding {name!r}: {obj!r} is beyond its range (it would be stored as inf)")
         return out.tobytes()
 
     def dec(data: Buffer) -> Any:
