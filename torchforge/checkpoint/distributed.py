@@ -151,11 +151,14 @@ def _writes_its_replica(name: str, t: torch.Tensor) -> bool:
         return True
     from torch.distributed.tensor import Replicate
 
+    dims = [d for d, p in enumerate(t.placements) if isinstance(p, Replicate)]
+    if not dims:  # (FSDP2 on a 1D mesh: every slice is one rank's)
+        return True
     mesh, coord = t.device_mesh, t.device_mesh.get_coordinate()
     if coord is None:  # not in the mesh: holds nothing
         return False
     pick = zlib.crc32(name.encode())
-    return all(coord[d] == pick % mesh.size(d) for d, p in enumerate(t.placements) if isinstance(p, Replicate))
+    return all(coord[d] == pick % mesh.size(d) for d in dims)
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
