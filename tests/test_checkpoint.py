@@ -1537,3 +1537,16 @@ def test_an_export_never_replaces_the_checkpoint_folder_or_a_step_and_a_closed_c
         ck.restore(1, model=_fresh()[0])
     with pytest.raises(CheckpointError, match="closed"):
         ck.save(3, model=m)
+
+
+def test_a_checkpointer_or_feature_store_where_a_file_is_in_the_way_is_a_typed_error_naming_it(tmp_path):
+    from torchforge.features import FeatureStore
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(CheckpointError, match="cannot make the checkpoint folder") as e:
+        Checkpointer(afile)  # was: FileExistsError
+    assert e.value.path == str(afile)
+    with pytest.raises(TorchforgeError, match="cannot make the feature store's folders") as e:
+        FeatureStore(afile, {"a": ((), torch.float32)}, create=True)  # was: NotADirectoryError
+    assert e.value.path.startswith(str(afile)) and afile.read_text() == "x"

@@ -81,7 +81,11 @@ class Checkpointer:
                  *, threads: int | None = None, direct_io: bool = True, recycle: bool = True,
                  timeout: float = 600.0):
         self._setup(root, keep_last, max_shard_size, threads, direct_io, recycle, timeout, read_only=False)
-        os.makedirs(self.root, exist_ok=True)
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:  # a file in the way (FileExistsError, NotADirectoryError), no permission, ...
+            raise CheckpointError(f"cannot make the checkpoint folder: {e.strerror}", path=e.filename or self.root
+                                  ) from e
         self._clean_leftovers()
 
     @classmethod

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchforge.errors import FormatError, NotFoundError
+from torchforge.errors import FormatError, NotFoundError, TorchforgeError
 from torchforge.features.layout import (
     INDEX,
     SCHEMA_FILE,
@@ -66,6 +66,7 @@ class FeatureStore:
         ValueError: ``create=True`` without a ``schema``, or a schema that is not one.
         NotFoundError: no store at ``path`` (and ``create`` is False), or no such version.
         FormatError: the schema or a manifest is malformed, or differs from ``schema``.
+        TorchforgeError: ``create=True`` and the folders cannot be made (a file in the way, no permission).
     """
 
     def __init__(self, path: str | os.PathLike, schema: dict[str, Any] | None = None, *, create: bool = False,
@@ -75,8 +76,12 @@ class FeatureStore:
             if schema is None:
                 raise ValueError("create=True needs a schema: {'name': (shape, dtype), ...}")
             wanted = schema_from_user(schema)
-            for sub in (SHARDS, INDEX, VERSIONS):
-                os.makedirs(os.path.join(self.path, sub), exist_ok=True)
+            try:
+                for sub in (SHARDS, INDEX, VERSIONS):
+                    os.makedirs(os.path.join(self.path, sub), exist_ok=True)
+            except OSError as e:  # a file in the way (NotADirectoryError, FileExistsError), no permission, ...
+                raise TorchforgeError(f"cannot make the feature store's folders: {e.strerror}",
+                                      path=e.filename or self.path) from e
             write_schema(self.path, wanted)
         elif not os.path.isdir(self.path):
             raise NotFoundError("no feature store here; pass create=True (and a schema) to make one",
