@@ -11,14 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from torchforge._inspect import format_checks, format_details
-from torchforge._proc import host_name, pid_alive
-from torchforge.convert import _materialize
+from torchforge._proc import host_name
+from torchforge.convert import _materialize, drop_dead_stages
 from torchforge.errors import NotFoundError, TorchforgeError
 from torchforge.remote.url import is_remote, local_path
 
@@ -127,7 +128,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
             return 2
     # written beside DST and moved into place once whole: a conversion that fails leaves DST as it was
     base = os.path.basename(os.path.abspath(dst))
-    _drop_stale_stages(parent, base)
+    # what converts into DST on this host left when killed (their finally never ran): a dataset's worth
+    drop_dead_stages(parent, rf"\.{re.escape(base)}\.converting-h{re.escape(host_name())}-p(\d+)(\.old)?")
     stage = os.path.join(parent, f".{base}.converting-h{host_name()}-p{os.getpid()}")
     t0 = time.perf_counter()
     try:
@@ -141,18 +143,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     finally:
         _remove(stage)
     return _converted(stats, args, time.perf_counter() - t0)
-
-
-def _drop_stale_stages(parent: str, base: str) -> None:
-    """Remove what converts into ``base`` on this host left when they were killed (their ``finally`` never
-    ran): a whole dataset's worth, hidden. Another host's, on a shared folder, are left alone."""
-    import re
-
-    own = re.compile(rf"\.{re.escape(base)}\.converting-h{re.escape(host_name())}-p(\d+)(\.old)?")
-    for name in os.listdir(parent):
-        m = own.fullmatch(name)
-        if m and not pid_alive(int(m.group(1))):
-            _remove(os.path.join(parent, name))
 
 
 def _replace(stage: str, dst: str) -> None:

@@ -442,11 +442,21 @@ def _convert_to_url(src: str, dst: str, to: str, progress: bool, remote: dict[st
 def _drop_stale_staging(base: str) -> None:
     """Remove the staging folders of converts on this host whose process is gone (killed mid-upload: its
     ``finally`` never ran). Another host's, on a shared cache folder, are left alone."""
-    own = re.compile(rf"convert-h{re.escape(host_name())}-p(\d+)-.+")
-    for name in os.listdir(base):
+    drop_dead_stages(base, rf"convert-h{re.escape(host_name())}-p(\d+)-.+")
+
+
+def drop_dead_stages(folder: str, pattern: str) -> None:
+    """Remove the entries of ``folder`` whose whole name matches ``pattern`` and whose process, the
+    pattern's first group (a pid of this host), is gone."""
+    own = re.compile(pattern)
+    for name in os.listdir(folder):
         m = own.fullmatch(name)
         if m and not pid_alive(int(m.group(1))):
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            path = os.path.join(folder, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
 
 
 def _upload_progress(total: int, dst: str):

@@ -657,7 +657,10 @@ class Checkpointer:
                 if len(set(plain.values())) != len(plain):
                     plain = {n: n for n in stored}
                 original = {v: k for k, v in plain.items()}
-                names = {plain[n]: (list(read(n).shape), read(n).dtype) for n in stored}
+                names = {}
+                for n in stored:
+                    t = read(n)
+                    names[plain[n]] = (list(t.shape), t.dtype)
 
                 def get(name: str) -> torch.Tensor:
                     return read(original[name])

@@ -59,9 +59,11 @@ from torchforge._proc import host_name, pid_alive
 from torchforge.checkpoint.digest import BlockDigest
 from torchforge.checkpoint.state import (
     TensorTable,
+    check_group_sizes,
     check_materialized,
     decode,
     encode,
+    memory_key,
     same_bits,
     tied_apart,
     torch_dtype,
@@ -1019,7 +1021,7 @@ def _restore_model(reader: _Reader, model: Any, spec: Any, where: str) -> None:
     tied: dict[tuple, str] = {}
     for k, t in target.items():
         local = t.to_local() if _is_dtensor(t) else t
-        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride())
+        key = memory_key(local)
         first = tied.get(key) if local.numel() else None
         if first is None:
             tied[key] = k
@@ -1051,14 +1053,8 @@ def _restore_optimizer(reader: _Reader, model: Any, optimizer: Any, spec: Any, w
 
 
 def _check_groups(spec: Any, optimizer: Any, where: str) -> None:
-    """The optimizer's param groups hold as many parameters as the stored ones (torch's loader folds
-    groups that differ into one, each group's settings lost)."""
-    groups = spec.get("param_groups") if isinstance(spec, dict) else None
-    saved = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else None
-             for g in groups] if isinstance(groups, list) else None
-    have = [len(g["params"]) for g in optimizer.param_groups]
-    if saved != have:
-        raise CheckpointError(f"optimizer has groups of sizes {have}, the checkpoint {saved}", path=where)
+    """:func:`check_group_sizes` of the encoded optimizer state (its ``param_groups`` are plain JSON)."""
+    check_group_sizes(optimizer, spec.get("param_groups") if isinstance(spec, dict) else None, where)
 
 
 def _fqn_of(name: str, canon: dict[str, Any]) -> str | None:

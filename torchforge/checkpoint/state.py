@@ -243,7 +243,7 @@ def restore_model(model: torch.nn.Module, source: Callable[[str], torch.Tensor],
             raise CheckpointError(f"{k!r} is {str(src.dtype).removeprefix('torch.')} in the checkpoint, "
                                   f"{str(dst.dtype).removeprefix('torch.')} in the model: the copy would lose "
                                   "values (convert the model or the checkpoint)", path=where)
-        key = (dst.untyped_storage().data_ptr(), dst.storage_offset(), tuple(dst.shape), dst.stride())
+        key = memory_key(dst)
         if dst.numel() and key in done:  # tied in the model: one tensor, restored once
             first, stored, value = done[key]
             if stored != name and not same_bits(value, src):
@@ -312,13 +312,26 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(*flat)
 
 
+def check_group_sizes(opt: torch.optim.Optimizer, stored_groups: Any, where: str) -> None:
+    """The optimizer's param groups hold as many parameters as the stored ones (stored: a list of dicts
+    with a ``params`` list; anything else differs). Torch's loaders fold groups that differ into one."""
+    stored = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else None
+              for g in stored_groups] if isinstance(stored_groups, list) else None
+    have = [len(g["params"]) for g in opt.param_groups]
+    if stored != have:
+        raise CheckpointError(f"optimizer has groups of sizes {have}, the checkpoint {stored}", path=where)
+
+
+def memory_key(t: torch.Tensor) -> tuple:
+    """What makes two tensors one (tied weights): the same memory, offset, shape and strides."""
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()
+
+
 def check_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: str) -> tuple[dict, dict]:
     """Whether the stored state fits ``opt`` (its groups' sizes, every state entry's parameter): checked
     before a restore changes anything. Returns stored parameter id -> parameter, and -> its group."""
+    check_group_sizes(opt, saved["param_groups"], where)
     groups, sgroups = opt.param_groups, saved["param_groups"]
-    if [len(g["params"]) for g in groups] != [len(s["params"]) for s in sgroups]:
-        raise CheckpointError(f"optimizer has groups of sizes {[len(g['params']) for g in groups]}, the "
-                              f"checkpoint {[len(s['params']) for s in sgroups]}", path=where)
     index, group_of = {}, {}
     for g, s in zip(groups, sgroups):
         for p, i in zip(g["params"], s["params"]):

@@ -162,10 +162,9 @@ class _Iter(_BaseDataLoaderIter):
                 torch.set_rng_state(user_rng)
         self._seq = 0
         self._pos.base_seed = self._base_seed
-        if not self._iterable and stateful(target) and not callable(getattr(target, "state_at", None)):
-            self._pos.sampler_start = resume["sampler"] if resume is not None else target.state_dict()
-            if self._pos.positional:
-                self._pos.sampler_start = resume["sampler"] if resume is not None else None
+        if watch:  # (a positional sampler's start is its state before any draw, which it does not say)
+            self._pos.sampler_start = resume["sampler"] if resume is not None else (
+                None if self._pos.positional else after)
         self._assigned: list[int] = []
         self._rr = 0
         if resume is not None:
