@@ -588,8 +588,10 @@ class _Epochs(IterableDataset):
         self.epoch = state["epoch"]
 
 
-@pytest.mark.parametrize("kind", [_Served, _Epochs])
+@pytest.mark.parametrize("kind", [_Served, _Epochs, _IterOfState])
 def test_persistent_workers_dataset_states_at_an_epoch_boundary_carry_into_the_next_epoch(kind):
+    """(_IterOfState: its ended iterator's state holds the worker's torch random state, which the saved run's
+    workers went on drawing from in the next epoch; torchdata's StatefulDataLoader loads it, as here)"""
     def loader():
         return DataLoader(kind(), batch_size=None, num_workers=2, persistent_workers=True)
 
@@ -599,7 +601,7 @@ def test_persistent_workers_dataset_states_at_an_epoch_boundary_carry_into_the_n
     expected = [tuple(int(x) for x in b) for b in dl]
     again = loader()
     again.load_state_dict(state)
-    assert [tuple(int(x) for x in b) for b in again] == expected
+    assert [tuple(int(x) for x in b) for b in again] == expected, kind.__name__
 
 
 class _RngState(Dataset):

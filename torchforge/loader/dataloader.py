@@ -12,7 +12,7 @@ import torch
 import torch.utils.data
 from torch.utils.data.dataloader import _DatasetKind
 
-from torchforge.loader.fetch import dataset_part
+from torchforge.loader.fetch import carried_part
 from torchforge.loader.iterator import InProcessIter, WorkerIter
 from torchforge.loader.slabs import SlabPool
 from torchforge.loader.state import STATE_VERSION, Position, sampler_of, set_rng
@@ -192,9 +192,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._loaded_end = dict(state)  # until the next pass begins, state_dict() says this, not a live pass's
         if self.persistent_workers and self.num_workers > 0 and state["base_seed"] is not None:
             # the saved run's workers went on into the next pass with their base seed (torch's _reset), and
-            # with their dataset copies as they were: this loader's new workers start from those states
+            # with their dataset copies as they were: this loader's new workers start from those states (a
+            # Stateful iterator's, the ended pass's, is loaded into an iterator the new pass then drops)
             self._carried_seed = (int(state["base_seed"]), int(state.get("pass", 0)))
-            states = [dataset_part(w.get("state")) for w in state["workers"] or []]
+            states = [carried_part(w.get("state")) for w in state["workers"] or []]
             if len(states) == self.num_workers and any(s is not None for s in states):
                 self._carried_states = states
         if state["sampler"] is not None:

@@ -11,21 +11,29 @@ from torch.utils.data._utils.collate import default_collate as _torch_default_co
 
 from torchforge.loader.collate import default_collate
 
-__all__ = ["SKIPPED", "Source", "dataset_part", "stateful"]
+__all__ = ["SKIPPED", "Source", "carried_part", "stateful"]
 
 SKIPPED = object()  #: what :meth:`Source.fetch` returns for a batch whose every sample was skipped
 
 
 ITERATOR = "__torchforge_iterator__"  #: the key of a Stateful iterator's state in a worker's state
+#: the key of the state of a Stateful iterator that a persistent worker's last pass ended with
+ENDED = "__torchforge_iterator_ended__"
 
 
-def _has_iterator(state: Any) -> bool:
-    return isinstance(state, dict) and ITERATOR in state and set(state) == {ITERATOR, "dataset"}
+def _has_iterator(state: Any, key: str = ITERATOR) -> bool:
+    return isinstance(state, dict) and key in state and set(state) == {key, "dataset"}
 
 
-def dataset_part(state: Any) -> Any:
-    """The dataset's own state in what :meth:`Source.state` returned (without a Stateful iterator's)."""
-    return state["dataset"] if _has_iterator(state) else state
+def carried_part(state: Any) -> Any:
+    """What a persistent worker whose pass ended with ``state`` starts its next pass from: the dataset's
+    state, and a Stateful iterator's as the ended iterator's (:meth:`Source.start` loads it into a new
+    iterator, then begins the pass on another: torchdata's StatefulDataLoader does so, and the state's
+    side effects, the worker's random streams an iterator saves, say, carry into the next pass as in the
+    saved run's worker)."""
+    if _has_iterator(state):
+        return {ENDED: state[ITERATOR], "dataset": state["dataset"]}
+    return state
 
 
 def stateful(obj: Any) -> bool:
@@ -62,12 +70,19 @@ class Source:
         IterableDataset, put back where it was by its own state when it has one (torchdata saves a
         ``Stateful`` iterator's state as the dataset's: a dataset that is its own iterator and resets its
         position in ``__iter__`` gets it back after), else advanced past ``skip`` samples."""
-        ds_state, it_state = (state["dataset"], state[ITERATOR]) if _has_iterator(state) else (state, None)
+        ended = _has_iterator(state, ENDED)
+        ds_state, it_state = (state["dataset"], state[ENDED if ended else ITERATOR]) \
+            if ended or _has_iterator(state) else (state, None)
         if ds_state is not None:
             self.dataset.load_state_dict(ds_state)
         self.ended = False
         if self.iterable:
             self._it = iter(self.dataset)
+            if ended:  # the last pass's iterator, for its state's side effects; the pass begins on a new one
+                if stateful(self._it):
+                    self._it.load_state_dict(it_state)
+                self._it = iter(self.dataset)
+                return
             if it_state is not None and stateful(self._it):
                 self._it.load_state_dict(it_state)
                 return
