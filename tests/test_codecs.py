@@ -1,4 +1,6 @@
+import os
 import pickle
+import tracemalloc
 
 import pytest
 import zstandard
@@ -93,6 +95,29 @@ def test_a_tiny_value_that_expands_to_gigabytes_is_refused_not_a_memory_error():
     assert codecs.decompress(name, codecs.compress(name, bytes(1 << 20))) == bytes(1 << 20)
     for name in ("gz", "xz"):  # their formats cannot reach the bound: 80 MiB of zeros decode whole
         assert codecs.decompress(name, codecs.compress(name, bytes(80 << 20))) == bytes(80 << 20)
+
+
+def test_a_brotli_bomb_is_refused_before_it_is_decompressed_whole():
+    """Brotli had no bound: 3.2 KB of br (a JINX value, an MDS ``sample::br`` sample) became 2 GiB in
+    memory before any check. Its output now stops one byte past the bound, as gz/bz2/xz's does."""
+    brotli = pytest.importorskip("brotli")
+    c = brotli.Compressor(quality=5)
+    bomb = b"".join([c.process(bytes(64 << 20)) for _ in range(8)] + [c.finish()])  # 512 MiB of zeros
+    tracemalloc.start()
+    try:
+        with pytest.raises(CodecError, match="decompression bomb") as ei:
+            codecs.decompress("br", bomb, path="/data/a.jinx", offset=9)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert ei.value.path == "/data/a.jinx" and ei.value.offset == 9
+    assert peak < 2 * codecs._BOMB_FLOOR, peak  # was 512 MiB: the whole output, then the check
+    br = codecs.get_codec("br")
+    with pytest.raises(CodecError, match="more than 100 bytes"):
+        br.decompress(br.compress(bytes(101)), limit=100)
+    assert br.decompress(br.compress(bytes(100)), limit=100) == bytes(100)
+    with pytest.raises(CodecError, match="truncated br"):
+        br.decompress(br.compress(os.urandom(5000))[:-10], limit=10_000)
 
 
 @pytest.mark.parametrize("name", ["gz", "bz2", "xz"])

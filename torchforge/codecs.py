@@ -47,8 +47,8 @@ class Codec:
         """Decompress ``data``; failures raise CodecError naming ``path`` and ``offset``.
 
         With ``limit``, output longer than ``limit`` bytes raises CodecError; zstd checks a frame's
-        claimed size before allocating, gz/bz2/xz stop decompressing one byte past the limit. Without
-        one, gz/bz2/xz output is bounded as zstd's is, by what ``data`` could honestly hold (at least
+        claimed size before allocating, gz/bz2/xz/br stop decompressing one byte past the limit. Without
+        one, gz/bz2/xz/br output is bounded as zstd's is, by what ``data`` could honestly hold (at least
         64 MiB): a tiny value that expands to gigabytes is a CodecError, not a MemoryError.
         """
         bomb = False
@@ -79,7 +79,9 @@ _tls = threading.local()
 # 3-byte header and its byte). A frame that claims more than this for its length is lying.
 _ZSTD_MAX_RATIO = (128 << 10) // 4
 _SIZED_FAST = 1 << 15
-_BOMB_BOUNDED = ("gz", "bz2", "xz")  # decompressed without a known size: bounded like zstd (see Codec.decompress)
+# decompressed without a known size: bounded like zstd (see Codec.decompress); lz4 and snappy output is at
+# most about 255 and 22 times their input
+_BOMB_BOUNDED = ("gz", "bz2", "xz", "br")
 _BOMB_FLOOR = 64 << 20
 _UNKNOWN = zstandard.CONTENTSIZE_UNKNOWN  # frames with a content size at least this large go through one-shot decompress
 
@@ -224,6 +226,28 @@ def _bounded(make: Callable[[], Any]) -> Callable[[Buffer, int | None], bytes]:
     return decompress
 
 
+def _brotli_decompress(data: Buffer, limit: int | None) -> bytes:
+    """Brotli, stopping at least one byte past ``limit`` (brotli >= 1.2's ``output_buffer_limit``; an older
+    brotli decompresses it all, and the caller's check comes after)."""
+    brotli = _brotli()
+    if limit is None:
+        return brotli.decompress(bytes(data))
+    d = brotli.Decompressor()
+    try:
+        out = d.process(bytes(data), output_buffer_limit=limit + 1)
+    except TypeError:  # brotli < 1.2: no output limit
+        return brotli.decompress(bytes(data))
+    parts = [out]
+    size = len(out)
+    while size <= limit and not d.is_finished() and not d.can_accept_more_data():
+        out = d.process(b"", output_buffer_limit=limit + 1 - size)
+        parts.append(out)
+        size += len(out)
+    if size <= limit and not d.is_finished():
+        raise CodecError("truncated br data")
+    return b"".join(parts)
+
+
 CODECS: dict[str, Codec] = {}
 _ALIASES: dict[str, str] = {}
 
@@ -245,7 +269,7 @@ _register(Codec("lz4", "lz4", lambda d, lvl: _lz4().compress(bytes(d), compressi
 _register(Codec("snappy", "python-snappy", lambda d, lvl: _snappy().compress(bytes(d)),
                 lambda d, limit: _snappy().decompress(bytes(d)), None))
 _register(Codec("br", "brotli", lambda d, lvl: _brotli().compress(bytes(d), quality=11 if lvl is None else lvl),
-                lambda d, limit: _brotli().decompress(bytes(d)), None), "brotli")
+                _brotli_decompress, None), "brotli")
 
 
 def is_codec(ext: str) -> bool:
