@@ -115,6 +115,9 @@ OPTIONS = [
     {"encoding": "b64", "compression": "lz4", "binary_threshold": 64},
     {"encoding": "b64", "compression": "snappy"},
     {"encoding": "b64", "compression": "br", "ext_sep": ":"},
+    # '_' begins 'index_compression', a footer field the reader took for a second index
+    {"compression": "zstd", "index_compression": "zstd", "compress_threshold": 16, "ext_sep": "_"},
+    {"binary_threshold": 64, "ext_sep": "_"},
 ]
 
 
@@ -423,6 +426,13 @@ def test_plans_stay_bounded_over_records_keyed_by_ids(write_jinx, tmp_path, monk
     assert got == [(bytes([i]), bytes([i, i])) for i in range(30)]  # keys past the bound are still found
     plans = ds.shards[0].plans
     assert len(plans) == 8 and "blob" in plans  # a key seen before the bound keeps its plan
+
+
+@pytest.mark.parametrize("sep", ["n", "1", "a."])
+def test_a_separator_with_a_letter_or_digit_is_refused_it_would_split_extension_names(tmp_path, sep):
+    with pytest.raises(FormatError, match="letter or digit"):
+        JinxWriter(tmp_path / "ds", ext_sep=sep)
+    assert not (tmp_path / "ds").exists()
 
 
 def test_stored_keys_with_extensions_are_not_keys_whatever_the_separator(write_jinx, tmp_path):

@@ -260,6 +260,9 @@ class JinxWriter:
             raise FormatError(f"compress_ratio={compress_ratio!r} must be a positive number")
         if not isinstance(ext_sep, str) or not ext_sep:
             raise FormatError(f"ext_sep={ext_sep!r} must be a non-empty string")
+        if any(c.isalnum() for c in ext_sep):  # it would split extension names ('npy', 'zst', 'int64')
+            raise FormatError(f"ext_sep={ext_sep!r} holds a letter or digit, which extension names are made of: "
+                              "choose punctuation ('.', '_', '|')")
         if split is not None and not isinstance(split, str):
             raise FormatError(f"split={split!r} must be a string or None")
         self.shard_size = shard_size

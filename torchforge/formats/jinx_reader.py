@@ -149,8 +149,9 @@ class JinxShard:
             raise self._fail(f"footer ext_sep={self.ext_sep!r} is not a non-empty string", foot)
         if self.encoding not in ENCODINGS:
             raise self._fail(f"footer encoding={self.encoding!r} is not one of {list(ENCODINGS)}", foot)
-        prefix = "index" + self.ext_sep
-        keys = [k for k in footer if k.startswith(prefix)]
+        # the index key is 'index.npy[.<codec>|.bin]' (MLDataForge's writer joins it with '.' whatever the
+        # ext_sep; one with ext_sep is read too); 'index_compression' is a footer field, not the index
+        keys = [k for k in footer if k.startswith(("index.npy", f"index{self.ext_sep}npy"))]
         if len(keys) != 1:
             raise self._fail(f"footer has {len(keys)} index entries ({keys}), expected one 'index.npy...'", foot)
         index_value = footer.pop(keys[0])
@@ -174,7 +175,7 @@ class JinxShard:
         self._offs = memoryview(np.ascontiguousarray(offsets, dtype=np.uint64)).cast("B").cast("Q")
 
     def _decode_index(self, key: str, value: Any, foot: int) -> np.ndarray:
-        exts = key.split(self.ext_sep)[1:]
+        exts = key[len("index") + 1:].split(key[len("index")])
         if exts[-1] == "bin":
             exts.pop()
             data: Any = self.sidecar(value, foot)
