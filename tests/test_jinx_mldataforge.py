@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 
+import numpy as np
 import pytest
 from canon import canon
 from expected import rich, same
@@ -104,3 +105,28 @@ def test_torchforge_reads_what_mldataforge_writes(mldf_python, tmp_path):
             assert len(ds) == n
             assert [same(e, g) for e, g in zip(expected, ds)] == [""] * n, target
             assert [same(e, ds[i]) for i, e in enumerate(expected)] == [""] * n, target
+
+
+_MLDF_SCALARS = """
+import sys, numpy as np
+from mldataforge.jinx.dataset_writer import JinxDatasetWriter
+with JinxDatasetWriter(sys.argv[1], shard_size=1 << 20) as w:
+    w.write({"h": np.float16(1.5), "b": np.bool_(True), "f": np.float32(0.25)})
+"""
+
+
+def test_numpy_float16_and_bool_scalars_are_stored_as_mldataforge_stores_them(mldf_python, tmp_path):
+    """MLDataForge 0.6.10's writer stores np.float16/np.bool_ scalars under the extensions 'float16'/'bool',
+    which its own reader refuses ('Unsupported extension'); torchforge writes the same line and reads both
+    folders back with their numpy types."""
+    proc = subprocess.run([mldf_python, "-c", _MLDF_SCALARS, str(tmp_path / "mldf")], capture_output=True,
+                          text=True, check=False, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with JinxWriter(tmp_path / "tf", compression=None, index_compression=None) as w:
+        w.write({"h": np.float16(1.5), "b": np.bool_(True), "f": np.float32(0.25)})
+    lines = [min((tmp_path / d).glob("*.jinx")).read_bytes().split(b"\n")[0] + b"\n" for d in ("mldf", "tf")]
+    assert lines[0] == lines[1] == b'{"h.float16":1.5,"b.bool":true,"f.float32":0.25}\n'
+    for d in ("mldf", "tf"):
+        got = JinxDataset(tmp_path / d, lazy=False)[0]
+        assert {k: (type(v), v) for k, v in got.items()} == {
+            "h": (np.float16, 1.5), "b": (np.bool_, True), "f": (np.float32, 0.25)}

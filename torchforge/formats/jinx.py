@@ -6,7 +6,8 @@ folder of ``shard-NNNNN.jinx`` files (+ ``shard-NNNNN.binx`` sidecars) that MLDa
 ``JinxDatasetReader`` reads, with the same options and the same thresholds as its ``JinxDatasetWriter``.
 
 Values: str, bytes-like (``raw``), int/float/bool/None (plain JSON), numpy arrays (``npy``, no pickle),
-numpy scalars (their dtype as extension), torch tensors (``pt``), dicts and lists of these. What the
+numpy scalars (their dtype as extension: float16 and bool ones as MLDataForge's writer stores them, which
+its reader, 0.6.10, refuses; torchforge reads them), torch tensors (``pt``), dicts and lists of these. What the
 format cannot hold is refused with a :class:`~torchforge.errors.FormatError` instead of being written
 wrong (MLDataForge writes some of it silently corrupted): keys containing the extension separator;
 bytes, arrays, tensors or numpy scalars directly inside a list (only dict keys carry extensions: wrap

@@ -13,6 +13,7 @@ map), else by orjson; each stored key gets a decoder, made once per shard, for i
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from binascii import a2b_base64
@@ -444,13 +445,28 @@ class JinxShard:
             raise self._fail(f"{whose} is not valid {ext} data ({type(e).__name__}: {e})", offset, path) from None
 
     def _scalar(self, raw_key: str, dtype: str, value: Any, offset: int) -> Any:
+        """A numpy scalar from its JSON value, which must be what the writer stores for the dtype (a bool;
+        a float, an int or null, NaN, for floats; an integer, an integral float too, for integers): a
+        value the dtype would change (1.5 as int64, 1e300 as float32, true as int32) is a FormatError."""
         t = type(value)
-        if t is int or t is float or t is bool or (value is None and dtype.startswith("float")):
-            try:
-                return np.dtype(dtype).type(np.nan if value is None else value)
-            except (OverflowError, ValueError) as e:
-                raise self._fail(f"value of {raw_key!r} does not fit {dtype} ({e})", offset) from None
-        raise self._fail(f"value of {raw_key!r} is a JSON {t.__name__}, expected a number for {dtype}", offset)
+        if dtype == "bool":
+            ok = t is bool
+        elif dtype.startswith("float"):
+            ok = t is int or t is float or value is None
+        else:
+            ok = t is int or (t is float and value.is_integer())
+            value = int(value) if ok else value
+        if not ok:
+            what = "null" if value is None else f"{t.__name__} {value!r}"
+            raise self._fail(f"value of {raw_key!r} is a JSON {what}, which is not of dtype {dtype}", offset)
+        try:
+            with np.errstate(over="ignore"):  # (an overflow to inf is refused below, not warned about)
+                out = np.dtype(dtype).type(np.nan if value is None else value)
+        except (OverflowError, ValueError) as e:
+            raise self._fail(f"value of {raw_key!r} does not fit {dtype} ({e})", offset) from None
+        if value is not None and dtype.startswith("float") and np.isinf(out) and math.isfinite(value):
+            raise self._fail(f"value of {raw_key!r} ({value!r}) does not fit {dtype}: it overflows to inf", offset)
+        return out
 
     def eager(self, obj: Any, offset: int) -> Any:
         """Decode a parsed line (or part of it) completely into plain dicts and lists."""
