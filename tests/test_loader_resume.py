@@ -630,3 +630,50 @@ def test_a_state_loaded_back_into_the_loader_with_live_persistent_workers_resume
     expected = [int(b) for b in it]
     dl.load_state_dict(state)  # roll back: its workers went on past the state
     assert [int(b) for b in dl] == expected
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("kind", ["global", "distributed"])
+def test_a_pass_left_with_break_then_set_epoch_resumes_the_new_epoch_from_its_start(kind, workers):
+    """An epoch cut short (``break``: a limit of batches per epoch), ``set_epoch`` of the next, a checkpoint
+    before its first batch: the state said the new epoch at the old pass's position, and the resumed run
+    lost that many samples of the new epoch."""
+    def make():
+        sampler = GlobalSampler(20, seed=1) if kind == "global" else torch.utils.data.DistributedSampler(
+            list(range(20)), num_replicas=1, rank=0, seed=1)
+        return sampler, DataLoader(list(range(20)), batch_size=2, sampler=sampler, num_workers=workers)
+
+    def cut_then_next_epoch():
+        sampler, loader = make()
+        for i, _ in enumerate(loader):
+            if i == 2:
+                break
+        sampler.set_epoch(1)
+        return sampler, loader
+
+    _, loader = cut_then_next_epoch()
+    expected = [x for b in loader for x in b.tolist()]
+    _, loader = cut_then_next_epoch()
+    state = loader.state_dict()
+    sampler, again = make()
+    again.load_state_dict(state)
+    sampler.set_epoch(1)  # the resumed loop's own set_epoch at the top of the epoch
+    assert [x for b in again for x in b.tolist()] == expected and len(expected) == 20
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_over_a_resumed_sampler_saves_the_samplers_position_before_its_first_pass(workers):
+    """A sampler given a state (position 10 of 20) in a new loader: the loader's state before any batch said
+    the pass had ended there, and a loader restored from it replayed the whole epoch (10 duplicates)."""
+    src = GlobalSampler(20, seed=1)
+    it = iter(src)
+    consumed = [next(it) for _ in range(10)]
+    sampler = GlobalSampler(20, seed=1)
+    sampler.load_state_dict(src.state_dict())
+    loader = DataLoader(list(range(20)), batch_size=2, sampler=sampler, num_workers=workers)
+    state = loader.state_dict()  # a checkpoint taken right after the resume
+    rest = [x for b in loader for x in b.tolist()]
+    assert sorted(rest + consumed) == list(range(20))
+    again = DataLoader(list(range(20)), batch_size=2, sampler=GlobalSampler(20, seed=1), num_workers=workers)
+    again.load_state_dict(state)
+    assert [x for b in again for x in b.tolist()] == rest

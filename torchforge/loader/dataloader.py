@@ -147,7 +147,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         pos = self._pos
         if pos is None:  # no pass yet: a position at the end of a pass that never began
             pos = Position(max(self.num_workers, 1))
-            pos.finished = True
+            pos.finished, pos.began = True, False
         state = pos.state_dict(self, self._dataset_kind == _DatasetKind.Iterable)
         if state["finished"] and self.generator is not None:
             state["generator"] = self.generator.get_state().numpy().tobytes().hex()

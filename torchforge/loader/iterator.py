@@ -113,6 +113,7 @@ class _Iter(_BaseDataLoaderIter):
         n = max(loader.num_workers, 1)
         prev = getattr(self, "_pos", None)
         self._pos = loader._pos = Position(n)
+        self._pos.epoch = getattr(target, "epoch", None) if not self._iterable else None
         carried = loader._take_carried_states()
         if carried is not None and resume is None:  # a pass-end state of persistent workers (see load_state_dict)
             self._pos.worker_state = list(carried)

@@ -87,6 +87,8 @@ class Position:
         self.ahead: dict[int, int] = {}  # in_order=False: indices of each batch in ``extra``, once known
         self.base_seed: int | None = None  # None: no pass has begun
         self.pass_no = 0  # passes made before this one under base_seed (persistent workers)
+        self.epoch: Any = None  # the sampler's ``epoch`` as the pass began (None: it has none)
+        self.began = True  # False: no pass began (the sampler's own state, as it is now, is the position)
         self.rng0: dict[str, str] = {}
         self.sampler_start: Any = None
         # a sampler whose state says where it is in the pass (it changes as it yields): its state after
@@ -104,7 +106,15 @@ class Position:
         target = sampler_of(loader)
         has_state_at = callable(getattr(target, "state_at", None))
         sampler_state = None
-        if not iterable:
+        finished = self.finished
+        moved = not finished and self.epoch is not None and getattr(target, "epoch", None) != self.epoch
+        if not self.began or moved:
+            # no pass began (a state loaded into the sampler stays as it is), or set_epoch() moved the sampler
+            # since this pass, left with ``break``, began (the next pass begins that epoch at its start): a
+            # resumed loader begins a pass as this one would, from the sampler's state as it is now
+            finished = True
+            sampler_state = target.state_dict() if not iterable and stateful(target) else None
+        elif not iterable:
             if has_state_at:
                 if self.finished and "ended" in inspect.signature(target.state_at).parameters:
                     # the pass was seen to its end: the next one begins the epoch anew, as the saved run's would
@@ -121,15 +131,15 @@ class Position:
                 sampler_state = self.sampler_start
         return {
             "version": STATE_VERSION,
-            "finished": self.finished,
+            "finished": finished,
             "batches": self.batches,
             "extra": sorted(self.extra),
             "samples": self.samples,
             "base_seed": None if self.base_seed is None else int(self.base_seed),
             "pass": self.pass_no,
-            "rng": None if self.finished else dict(self.rng0),
+            "rng": None if finished else dict(self.rng0),
             "sampler": sampler_state,
-            "skip_batches": not self.finished and not has_state_at and not self.positional,
+            "skip_batches": not finished and not has_state_at and not self.positional,
             # (an IterableDataset's copy in the main process is never iterated when workers are: its
             # workers' copies hold the state, and one that is made in __iter__ does not exist here)
             # (nor one that is its own iterator: its state is the iterator's, in "workers", loaded after iter())
