@@ -1,4 +1,5 @@
 """The torchforge command line on good and damaged data."""
+import json
 import os
 import shutil
 import subprocess
@@ -45,6 +46,19 @@ def test_convert_mds_to_jinx_to_mds_preserves_every_sample(fixture_copy, tmp_pat
         assert same(x, y) == "" and same(x, z) == ""
     # the column encodings survive the round trip where MDS has them
     assert open_dataset(back).format_name == "mds"
+
+
+def test_convert_writes_mds_hashes_given_as_an_option(fixture_copy, tmp_path, capsys):
+    """`-o hashes=sha1` (the README's advice for HTTP) was split into characters and always refused."""
+    src = fixture_copy("mds-streaming-none")
+    for spec, algos in (("sha1", ["sha1"]), ("sha1,xxh64", ["sha1", "xxh64"])):
+        dst = str(tmp_path / spec.replace(",", "-"))
+        assert main(["convert", src, dst, "--to", "mds", "-q", "-o", f"hashes={spec}"]) == 0, capsys.readouterr()
+        with open(os.path.join(dst, "index.json")) as f:
+            shards = json.load(f)["shards"]
+        assert shards and all(sorted(s["raw_data"]["hashes"]) == algos for s in shards)
+        assert main(["verify", dst]) == 0
+    assert len(_all(dst)) == 200
 
 
 def test_convert_jinx_to_mds_refuses_up_front_naming_the_field(fixture_copy, tmp_path, capsys):

@@ -686,9 +686,9 @@ def _put_mds(put, local, prefix: str, rows: list[dict], size_limit: int, **optio
     return [(local / name).stat().st_size for name in shards]
 
 
-def _upload_mds(tmp_path, put, prefix: str, n: int = 60, marker: int = 0) -> list[dict]:
+def _upload_mds(tmp_path, put, prefix: str, n: int = 60, marker: int = 0, hashes=("sha1",)) -> list[dict]:
     rows = [{"id": i, "blob": bytes([(i + marker) % 251]) * (200 + 37 * i)} for i in range(n)]
-    _put_mds(put, tmp_path / f"mds-{prefix.replace('/', '_')}-{marker}", prefix, rows, 1 << 13, hashes=["sha1"])
+    _put_mds(put, tmp_path / f"mds-{prefix.replace('/', '_')}-{marker}", prefix, rows, 1 << 13, hashes=list(hashes))
     return rows
 
 
@@ -1732,6 +1732,23 @@ def test_a_server_without_byte_ranges_serves_shards_whole_and_ranges_mode_says_s
         server.shutdown()
 
 
+def test_verify_of_a_jinx_url_on_a_server_without_byte_ranges_says_the_server_not_damaged(tmp_path, capsys):
+    """The server, not the data, cannot serve a JINX dataset (its footers are read by ranges): verify said
+    "DAMAGED" of an intact shard; it is now the command's error, as inspect's is."""
+    from torchforge.cli import main
+
+    local, _ = _interop("jinx-b64-multishard")
+    server = _serve(local, _NoRangeHandler)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert main(["verify", url, "--cache-dir", str(tmp_path / "cache")]) == 1
+        out, err = capsys.readouterr()
+        assert "DAMAGED" not in out and "does not serve byte ranges" in err
+    finally:
+        server.shutdown()
+        server.server_close()  # (a listening socket nobody serves would keep the other footer reads waiting)
+
+
 def _jinx_footer_rewritten(path, fn, foot_line=None):
     """Rewrite a JINX shard's footer JSON with ``fn(dict) -> dict`` (its lines kept), and optionally its last
     line (the footer's offset)."""
@@ -2195,7 +2212,7 @@ def test_a_batch_under_a_cache_limit_maps_each_shard_once_or_reads_ranges_when_i
     import torchforge
 
     _client, proxy, put = env
-    rows = _upload_mds(tmp_path, put, "ds/batch", n=60)
+    rows = _upload_mds(tmp_path, put, "ds/batch", n=60, hashes=())
     url = f"s3://{BUCKET}/ds/batch"
     ds = torchforge.open_dataset(url, cache_dir=tmp_path / "cache", cache_limit=2 * 8192 + 4096,
                                  storage_options=_via(proxy))
@@ -2217,6 +2234,33 @@ def test_a_batch_under_a_cache_limit_maps_each_shard_once_or_reads_ranges_when_i
     with pytest.warns(RuntimeWarning, match="mode='ranges'"):  # one sample at a time, at random: maps again and again
         ids = [int(ds[i]["id"]) for i in order]
     assert ids == order
+
+
+def test_shards_with_hashes_are_served_only_verified_under_a_cache_limit_and_ranges_mode_says_it_cannot(env, tmp_path):
+    """index.json records sha1 hashes of whole shards, and a shard on the store is damaged: mode="shards"
+    under a cache_limit switched to byte ranges, which cannot check them, and served damaged samples
+    silently (as mode="ranges" does: it now warns at open that it serves them unverified)."""
+    import torchforge
+    from torchforge.remote import RemoteCorruptError
+
+    client, proxy, put = env
+    rows = _upload_mds(tmp_path, put, "ds/hashed", n=60)
+    url = f"s3://{BUCKET}/ds/hashed"
+    shard_url = f"{url}/shard.00001.mds"
+    shard = bytearray(client.get_ranges(shard_url, [(0, client.head(shard_url).size)])[0])
+    shard[len(shard) - 5] ^= 1  # a byte of the shard's last sample
+    put("ds/hashed/shard.00001.mds", bytes(shard))
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "cache", cache_limit=2 * 8192 + 4096,
+                                 storage_options=_via(proxy))
+    assert not ds._ranges_ok()
+    last_of_1 = max(i for i in range(len(rows)) if ds._locate(i)[0] == 1)
+    batch = [last_of_1] + [int(i) for i in np.random.default_rng(0).permutation(len(rows))[:24] if i != last_of_1]
+    assert sum(ds._stored_bytes(k) for k in {ds._locate(i)[0] for i in batch}) > ds.cache_limit
+    with pytest.raises(RemoteCorruptError, match="shard.00001.mds: sha1"):
+        ds.__getitems__(batch)
+    assert not ds._bypass
+    with pytest.warns(UserWarning, match="sha1 hashes of whole shards.*unverified"):
+        torchforge.open_dataset(url, cache_dir=tmp_path / "cache2", mode="ranges", storage_options=_via(proxy))
 
 
 def _epochs_bytes(ds, proxy, epochs: int = 2, bucket: int | None = None) -> tuple[int, dict]:

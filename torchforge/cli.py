@@ -326,12 +326,16 @@ def _note_unhashed(ds: Any, notes: list[str] | None) -> None:
 
 def _verify_remote(url: str, remote: dict[str, Any], notes: list[str] | None = None) -> tuple[int, list[str]]:
     from torchforge.datasets.base import open_dataset
-    from torchforge.remote.errors import CacheFullError
+    from torchforge.remote.errors import CacheFullError, RemoteCorruptError, RemoteError, RemoteNotFoundError
 
     if remote.get("mode", "shards") != "shards":
         raise ValueError("verify reads whole shards to check their hashes: mode must be 'shards'")
     try:
         ds = open_dataset(url, **{**remote, "mode": "shards"})
+    except RemoteCorruptError as e:
+        return 0, [str(e)]
+    except RemoteError:
+        raise  # not damage: no dataset at the URL, credentials, the server (said as the command's error)
     except TorchforgeError as e:
         return 0, [str(e)]
     _note_unhashed(ds, notes)
@@ -341,8 +345,12 @@ def _verify_remote(url: str, remote: dict[str, Any], notes: list[str] | None = N
         end = ds._first[k + 1]
         try:
             ds._shard(k)  # fetched whole: size (and the hashes index.json records) checked
-        except CacheFullError:
-            raise  # not damage: the cache cannot hold the shard (said as the command's error)
+        except (RemoteCorruptError, RemoteNotFoundError) as e:  # damaged, or missing from the dataset
+            problems.append(str(e))
+            first = end
+            continue
+        except (CacheFullError, RemoteError):
+            raise  # not damage: the cache cannot hold the shard, credentials, the server (the command's error)
         except TorchforgeError as e:
             problems.append(str(e))
             first = end
@@ -440,7 +448,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--to", required=True, choices=["jinx", "mds", "safetensors"])
     c.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a writer option, e.g. -o compression=zst -o shard_size=67108864 (jinx; "
-                        "mds: size_limit, safetensors: max_shard_size)")
+                        "mds: size_limit, hashes=sha1,xxh64; safetensors: max_shard_size)")
     c.add_argument("--columns", help="MDS columns as JSON, e.g. '{\"id\": \"int\"}' (default: inferred)")
     c.add_argument("--overwrite", action="store_true", help="replace DST if it exists (a URL: its objects)")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

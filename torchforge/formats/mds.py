@@ -185,7 +185,9 @@ class MDSWriter:
             raise FormatError("columns must be a non-empty dict of column name -> MDS encoding")
         self.compression = compression or None
         self._comp = parse_mds_compression(self.compression)
-        self.hashes = list(hashes or [])
+        # (a string names one algorithm or several, comma-separated: "sha1,xxh64", as `convert -o hashes=` gives)
+        self.hashes = [h.strip() for h in hashes.split(",") if h.strip()] if isinstance(hashes, str) else \
+            list(hashes or [])
         if self.hashes != sorted(set(self.hashes)):
             raise FormatError(f"hashes={self.hashes!r} must be unique and sorted")
         for algo in self.hashes:

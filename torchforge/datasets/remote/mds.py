@@ -8,6 +8,7 @@ import operator
 import os
 import struct
 import tempfile
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -88,6 +89,11 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
             if whole:
                 raise ValueError(f"mode='ranges' needs shards that are not compressed as a whole; {whole[0]!r} "
                                  "is: use mode='shards'")
+            hashed = self._hashed()
+            if hashed:
+                warnings.warn(f"{index_url} records {'/'.join(hashed)} hashes of whole shards, which reads by "
+                              "byte ranges cannot check: mode='ranges' serves samples unverified (mode='shards' "
+                              "serves a shard only once its hashes check out)", stacklevel=2)
 
     def _pinned(self, client: Any) -> dict[str, str]:
         """Every shard's ETag as the folder's listing gives it when the dataset opens (one LIST request per
@@ -244,8 +250,18 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
         return self._shards[k] is not None or self.metas[k].zip_basename is not None or super()._at_hand(k)
 
     # --- mode="shards" under a cache_limit ----------------------------------------------------------
-    def _ranges_ok(self) -> bool:  # a shard compressed as a whole has no sample ranges
-        return not any(m.zip_basename for m in self.metas)
+    def _ranges_ok(self) -> bool:
+        # a shard compressed as a whole has no sample ranges; hashes of whole shards cannot check a range, and
+        # mode="shards" serves a shard with hashes only once they check out
+        return not any(m.zip_basename for m in self.metas) and not self._hashed()
+
+    def _hashed(self) -> list[str]:
+        """The hash algorithms index.json records for the shards' stored files (none: [])."""
+        found: set[str] = set()
+        for k in range(len(self.metas)):
+            hashes = self._objects(k)[0][3]
+            found.update(hashes or ())
+        return sorted(found)
 
     def _node_folder(self) -> str:
         return self.folder
