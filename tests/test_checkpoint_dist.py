@@ -903,3 +903,47 @@ def test_every_rank_returns_after_rank_0_pruned_and_exported(tmp_path):
     found no export, and a failed export was reported by rank 0 only."""
     torch.multiprocessing.spawn(_after_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path / "ck"),
                                                    str(tmp_path / "hf")), nprocs=2, join=True)
+
+
+class _KeyedState(torch.utils.data.Dataset):
+    """A dataset whose state has int keys, a tuple and a tensor (what JSON alone cannot hold)."""
+
+    def __init__(self):
+        self.loaded = None
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+    def state_dict(self) -> dict:
+        return {"seen": {0: 3, 1: 5}, "span": (2, 4), "rng": torch.Generator().manual_seed(1).get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+
+
+def _keyed_rank(rank: int, world: int, init: str, root: str) -> None:
+    from torchforge import DataLoader, GlobalSampler
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        loader = DataLoader(_KeyedState(), batch_size=2, sampler=GlobalSampler(16, seed=0))
+        next(iter(loader))
+        ck = Checkpointer(root, timeout=60)
+        ck.save(1, loader=loader)
+        again = DataLoader(_KeyedState(), batch_size=2, sampler=GlobalSampler(16, seed=0))
+        ck.restore(loader=again)
+        got, want = again.dataset.loaded, loader.dataset.state_dict()
+        assert got["seen"] == want["seen"] and got["span"] == want["span"], got  # were {'0': 3, '1': 5}, [2, 4]
+        assert torch.equal(got["rng"], want["rng"])  # was a raw TypeError on every rank
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_loader_state_is_saved_by_every_rank_as_a_single_process_save_saves_it(tmp_path):
+    """The distributed save wrote the DataLoader state with plain json.dumps: int keys came back as strings,
+    tuples as lists, and a tensor in it was a raw TypeError on every rank."""
+    torch.multiprocessing.spawn(_keyed_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path / "ck")), nprocs=2,
+                                join=True)

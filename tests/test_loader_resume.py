@@ -677,3 +677,28 @@ def test_a_loader_over_a_resumed_sampler_saves_the_samplers_position_before_its_
     again = DataLoader(list(range(20)), batch_size=2, sampler=GlobalSampler(20, seed=1), num_workers=workers)
     again.load_state_dict(state)
     assert [x for b in again for x in b.tolist()] == rest
+
+
+def test_a_state_the_sampler_cannot_load_is_refused_when_loaded_and_by_a_restore_before_the_model_changes(
+        tmp_path):
+    """Another seed or dataset length: the SamplerError came at the first iter(), after restore() had
+    changed the model, and the state was gone by then (a second iter() began the epoch silently)."""
+    from torchforge import Checkpointer
+    from torchforge.errors import CheckpointError
+    from torchforge.sampler import SamplerError
+
+    loader = DataLoader(list(range(20)), batch_size=2, sampler=GlobalSampler(20, seed=0))
+    next(iter(loader))
+    model = torch.nn.Linear(2, 2)
+    Checkpointer(tmp_path).save(1, model=model, loader=loader)
+    for sampler, n in ((GlobalSampler(20, seed=1), 20), (GlobalSampler(30, seed=0), 30)):
+        other = DataLoader(list(range(n)), batch_size=2, sampler=sampler)
+        before = other.state_dict()
+        with pytest.raises(SamplerError):
+            other.load_state_dict(loader.state_dict())
+        assert other.state_dict() == before
+        fresh = torch.nn.Linear(2, 2)
+        weight = fresh.weight.detach().clone()
+        with pytest.raises(CheckpointError, match="DataLoader state does not fit this loader"):
+            Checkpointer(tmp_path).restore(model=fresh, loader=other)
+        assert torch.equal(fresh.weight, weight)  # all or nothing

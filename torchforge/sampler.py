@@ -287,6 +287,17 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
             SamplerError: not a sampler state, another version, dataset or order, a position out of
                 range, or with ``shard_affinity`` another topology or a state saved without it.
         """
+        epoch, position = self.check_state(state)
+        self.epoch, self._start, self._yielded, self._live = epoch, position, 0, None
+        self._ended = state.get("ended") is True
+
+    def check_state(self, state: dict[str, Any]) -> tuple[int, int]:
+        """Check that :meth:`load_state_dict` can load ``state``, changing nothing (a loader checks a state
+        when it is loaded, before its pass loads it into the sampler); returns its epoch and position.
+
+        Raises:
+            SamplerError: as :meth:`load_state_dict`.
+        """
         try:
             version, epoch, position, n = (int(state[k]) for k in ("version", "epoch", "position", "n"))
             order = state["order"]
@@ -313,8 +324,7 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
                                f"{limit}")
         if self._affinity is not None:
             self._affinity.check_position(position)
-        self.epoch, self._start, self._yielded, self._live = epoch, position, 0, None
-        self._ended = state.get("ended") is True
+        return epoch, position
 
     def __getstate__(self) -> dict[str, Any]:
         # for DataLoader workers: the live iterator is folded into the count; caches are rebuilt
@@ -654,6 +664,10 @@ class IterableShards(torch.utils.data.IterableDataset):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the sampler (from :meth:`state_at` or ``GlobalSampler.state_dict``)."""
         self.sampler.load_state_dict(state)
+
+    def check_state(self, state: dict[str, Any]) -> tuple[int, int]:
+        """See :meth:`GlobalSampler.check_state`."""
+        return self.sampler.check_state(state)
 
     def worker_positions(self, worker: int, workers: int) -> Iterator[np.ndarray]:
         """The pass positions worker ``worker`` of ``workers`` reads, in order, a few blocks at a time."""

@@ -25,6 +25,7 @@ from torchforge.checkpoint.export import export_model
 from torchforge.checkpoint.staging import Arena
 from torchforge.checkpoint.state import (
     TensorTable,
+    check_loader,
     check_optimizer,
     decode,
     encode,
@@ -587,6 +588,7 @@ class Checkpointer:
                 if state.get("loader") is None:
                     raise CheckpointError(f"step {step} holds no DataLoader state (save with loader=)", path=where)
                 loader_state = _decode(state["loader"], tensor, where)
+                check_loader(loader, loader_state, step, where)  # before the model changes: all or nothing
             extra = _decode(state["extra"], tensor, where)
             if model is not None:  # (the first copy: it checks the aliases and keys before copying anything)
                 restore_model(model, get_model, names, state["model"]["aliases"], folder)

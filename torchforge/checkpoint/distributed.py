@@ -60,6 +60,7 @@ from torchforge.checkpoint.digest import BlockDigest
 from torchforge.checkpoint.state import (
     TensorTable,
     check_group_sizes,
+    check_loader,
     check_materialized,
     decode,
     encode,
@@ -430,7 +431,8 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
             owner0.update(name for name, t in items.tensors.items() if name.startswith("model.")
                           and not _is_dtensor(t) and t.numel() and t.data_ptr() in buffers)
         own_spec = encode(rank_state, f"rank{rank}", own)
-        loader_state = loader.state_dict() if loader is not None else None
+        # (encoded as the single-process save encodes it: int keys, tuples, tensors come back as they were)
+        loader_state = encode(loader.state_dict(), "__loader__", own) if loader is not None else None
     except Exception as e:  # noqa: BLE001 - _plan_failed raises it, on every rank
         _plan_failed(ck, rank, world, step, e)
     folder_name, mine, holds = _plan(ck, items.tensors, owner0, rank, world, step)
@@ -962,6 +964,9 @@ def restore_distributed(ck: Any, step: int, folder: str, manifest: dict[str, Any
     with damaged(f"step {step}", "manifest.json", where):
         if optimizer is not None and "optimizer" in spec:
             _check_groups(spec["optimizer"], optimizer, where)  # before the model changes: all or nothing
+        if loader is not None:
+            loader_state = _loader_state(folder, manifest, rank, world)
+            check_loader(loader, loader_state, step, where)
         if model is not None:
             if "model" not in spec:
                 raise CheckpointError(f"step {step} holds no model state", path=where)
@@ -974,7 +979,7 @@ def restore_distributed(ck: Any, step: int, folder: str, manifest: dict[str, Any
                                       path=where)
             _restore_optimizer(reader, model, optimizer, spec["optimizer"], where)
         if loader is not None:
-            loader.load_state_dict(_loader_state(folder, manifest, rank, world))
+            loader.load_state_dict(loader_state)
         extra = decode(spec.get("extra"), lambda name: reader.whole(name, map_location))
     ck.last_restore = {"bytes_read": reader.bytes_read, "bytes_needed": reader.bytes_needed}
     return extra
@@ -1104,7 +1109,7 @@ def _loader_state(folder: str, manifest: dict[str, Any], rank: int, world: int) 
     if any(s is None for s in states):
         raise CheckpointError("the step holds no DataLoader state (save with loader=)", path=folder)
     if saved_world == world:
-        return states[rank]
+        return _decoded(folder, manifest, rank, states[rank], "DataLoader state")
     problems = []
     for r, s in enumerate(states):
         sampler = s.get("sampler")
@@ -1122,7 +1127,7 @@ def _loader_state(folder: str, manifest: dict[str, Any], rank: int, world: int) 
     if problems:
         raise CheckpointError(f"the DataLoader state saved at world size {saved_world} cannot be remapped to "
                               f"world size {world}: {'; '.join(problems)}", path=folder)
-    return states[0]
+    return _decoded(folder, manifest, 0, states[0], "DataLoader state")
 
 
 def rank_state(folder: str, manifest: dict[str, Any], rank: int, world: int, map_location: Any) -> Any:
@@ -1137,6 +1142,13 @@ def rank_state(folder: str, manifest: dict[str, Any], rank: int, world: int, map
         raise CheckpointError(f"per-rank state was saved by {saved_world} ranks and cannot be given to rank "
                               f"{rank} of {world}: it is not remappable (restore at world size {saved_world}, or "
                               "rebuild it)", path=folder)
+    return _decoded(folder, manifest, rank, _rank_info(folder, manifest, rank).get("state"), "state",
+                    map_location)
+
+
+def _decoded(folder: str, manifest: dict[str, Any], rank: int, spec: Any, what: str,
+             map_location: Any = "cpu") -> Any:
+    """``spec`` (rank ``rank``'s encoded ``what``) decoded, its tensors read from the files the rank wrote."""
     info = _rank_info(folder, manifest, rank)
     where = os.path.join(folder, f"rank-{rank:05d}.json")
     files = {}
@@ -1151,5 +1163,5 @@ def rank_state(folder: str, manifest: dict[str, Any], rank: int, world: int, map
             raise CheckpointError(f"tensor {name!r} is missing from its file", path=os.path.join(folder, file))
         return f[name].to(map_location, copy=True)
 
-    with damaged(f"rank {rank}'s state", f"rank {rank}'s state", where):
-        return decode(info.get("state"), tensor)
+    with damaged(f"rank {rank}'s {what}", f"rank {rank}'s {what}", where):
+        return decode(spec, tensor)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from torchforge.checkpoint.staging import copy_tensors
-from torchforge.errors import CheckpointError
+from torchforge.errors import CheckpointError, TorchforgeError
 from torchforge.formats.safetensors import DTYPES
 
 SAFETENSORS_DTYPES = frozenset(dt for _, dt in DTYPES.values() if dt is not None)
@@ -383,3 +383,16 @@ def restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], where: 
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # the optimizer's own checks of its state
         raise CheckpointError(f"{type(opt).__name__} rejects the stored optimizer state ({type(e).__name__}: "
                               f"{e})", path=where) from e
+
+
+def check_loader(loader: Any, state: Any, step: int, where: str) -> None:
+    """Refuse, before a restore changes anything, a DataLoader state ``loader`` cannot load (a torchforge
+    loader's ``check_state_dict``: another sampler seed or dataset, say) as a CheckpointError naming the step:
+    the checkpoint is not damaged, the loader is not the one it was saved from."""
+    check = getattr(loader, "check_state_dict", None)
+    if not callable(check):
+        return
+    try:
+        check(state)
+    except (ValueError, TorchforgeError) as e:
+        raise CheckpointError(f"step {step}'s DataLoader state does not fit this loader: {e}", path=where) from e

@@ -155,7 +155,24 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next ``iter()`` yields exactly the batches the saved run
-        would have yielded next (at any world size, with a ``GlobalSampler``)."""
+        would have yielded next (at any world size, with a ``GlobalSampler``).
+
+        Raises:
+            ValueError: what :meth:`check_state_dict` raises, before anything changed.
+        """
+        _, finished = self.check_state_dict(state)
+        self._load_state(state, finished)
+
+    def check_state_dict(self, state: dict[str, Any]) -> tuple[int, bool]:
+        """Raise what :meth:`load_state_dict` would raise for ``state``, changing nothing (a checkpoint
+        restore checks the loader's state before it changes the model). Returns its version and whether its
+        pass had finished.
+
+        Raises:
+            ValueError: not a DataLoader state or another version; a sampler state this loader's sampler cannot
+                load (a ``GlobalSampler``'s ``SamplerError``: another seed, dataset or order); batches yielded
+                out of order at another world size.
+        """
         try:
             version, finished = int(state["version"]), bool(state["finished"])
             for key in ("batches", "samples", "base_seed", "sampler", "dataset", "workers"):
@@ -178,6 +195,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                              f"of order (in_order=False: batches {state['extra'][:8]} ahead of batch "
                              f"{state['batches']}); it resumes at that world size only, not at "
                              f"{target.world_size}")
+        check = getattr(target, "check_state", None)
+        if saved is not None and self._dataset_kind != _DatasetKind.Iterable and callable(check):
+            check(saved)  # a state the sampler cannot load (another seed, dataset): refused now, changing nothing
+        return version, finished
+
+    def _load_state(self, state: dict[str, Any], finished: bool) -> None:
+        target = sampler_of(self)
         if self._iterator is not None:
             # persistent workers hold their dataset copies and random streams as this loader's last pass
             # left them: the state resumes on new ones, as in a fresh loader

@@ -108,7 +108,11 @@ class _Iter(_BaseDataLoaderIter):
                               f"was set to epoch {now} since, which begins at its start", stacklevel=3)
                 resume = None
         if resume is not None and resume["sampler"] is not None and not self._iterable:
-            target.load_state_dict(resume["sampler"])
+            try:
+                target.load_state_dict(resume["sampler"])
+            except BaseException:
+                loader._resume = resume  # still the loader's state: the next iter() tries it again, never drops it
+                raise
         gens = generators(loader)
         n = max(loader.num_workers, 1)
         prev = getattr(self, "_pos", None)
