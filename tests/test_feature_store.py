@@ -1124,3 +1124,28 @@ def test_a_commit_whose_versions_fsync_fails_after_the_link_keeps_that_version_w
     _expect(FeatureStore(store.path), np.arange(20))
     from torchforge.features.inspect import verify_store
     assert verify_store(store.path) == (30, [])
+
+
+def test_values_a_column_cannot_hold_are_refused_not_wrapped(tmp_path):
+    """1000 into int8 was stored as -24, 2.7 into uint8 as 2, and missing=300 for an int8 column filled 44:
+    each is now a ValueError naming the column (and the row's id); nothing is kept. (A float column rounds as
+    torch's casts do: 1e6 into float16 is inf, as .half() makes it.)"""
+    st_ = FeatureStore(tmp_path / "fs", {"label": ((), torch.int8), "mask": ((2,), torch.uint8),
+                                         "h": ((), torch.float16)}, create=True)
+    ok = {"label": torch.tensor([5, -7]), "mask": np.array([[1.0, 2.0], [0.0, 255.0]]), "h": np.array([0.5, 1e4])}
+    bad = [("label", torch.tensor([5, 1000]), "cannot hold the value 1000 \\(row of id 8\\).*-24"),
+           ("mask", np.array([[1.0, 2.7], [0, 0]]), "cannot hold the value 2.7 \\(row of id 7\\)"),
+           ("mask", np.array([[1.0, -1.0], [0, 0]]), "cannot hold the value -1"),
+           ("mask", np.array([[np.nan, 0], [0, 0]]), "cannot hold the value nan")]
+    with st_.writer() as w:
+        for name, value, match in bad:
+            with pytest.raises(ValueError, match=match):
+                w.write([7, 8], **{**ok, name: value})
+        w.write([7, 8], **ok)
+    got = st_.get([7, 8])
+    assert got["label"].tolist() == [5, -7] and got["mask"].tolist() == [[1, 2], [0, 255]]
+    assert got["h"].tolist() == [0.5, 1e4]
+    for missing, match in (({"label": 300, "mask": 0, "h": 0}, "'label'"), ({"label": 0, "mask": -1, "h": 0}, "'mask'")):
+        with pytest.raises(ValueError, match=f"missing= for column {match}"):
+            st_.get([7, 99], missing=missing)
+    assert st_.get([99], missing={"label": -128, "mask": 255, "h": float("inf")})["h"].tolist() == [float("inf")]

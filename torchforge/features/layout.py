@@ -29,13 +29,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from torchforge._proc import host_name, pid_alive
 from torchforge.errors import FormatError, NotFoundError, TorchforgeError
 from torchforge.formats.safetensors import DTYPES, fsync_dir
 
-__all__ = ["FORMAT", "Column", "Manifest", "ShardEntry", "claim_version", "list_versions", "pick_columns",
+__all__ = ["FORMAT", "Column", "Manifest", "ShardEntry", "check_cast", "claim_version", "list_versions", "pick_columns",
            "read_manifest", "read_schema", "schema_from_user", "temp_name", "write_schema"]
 
 FORMAT = "torchforge-feature-store"
@@ -354,3 +355,23 @@ def _read_json(path: str) -> Any:
         return json.loads(data)
     except (ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, an int of > 4300 digits
         raise FormatError(f"not valid JSON: {e}", path=path, offset=getattr(e, "pos", None)) from None
+
+
+def check_cast(v: torch.Tensor, out: torch.Tensor, name: str, ids: np.ndarray | None = None) -> None:
+    """Refuse values an integer or bool column cannot hold (``out`` is ``v`` converted): 1000 into int8
+    wrapped to -24, 2.7 into uint8 became 2, NaN into an integer. A floating column rounds as torch's casts
+    do (a value past float16's range is inf there, as ``.half()`` makes it).
+
+    Raises:
+        ValueError: naming the column, the value and, where given, its row's id.
+    """
+    if v.dtype == out.dtype or not v.numel() or out.dtype.is_floating_point or out.dtype.is_complex:
+        return
+    bad = out.to(device=v.device, dtype=v.dtype) != v
+    if v.dtype.is_floating_point or v.dtype.is_complex:
+        bad |= torch.isnan(v)
+    if bool(bad.any()):
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        where = f" (row of id {int(ids[at[0]])})" if ids is not None and len(at) and at[0] < len(ids) else ""
+        raise ValueError(f"column {name!r} ({out.dtype}) cannot hold the value {v[at].item()!r}{where}: it would "
+                         f"be stored as {out[at].item()!r}")

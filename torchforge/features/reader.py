@@ -42,7 +42,7 @@ import torch
 from torchforge._vmem import HUGE_PAGE, map_at, reserve, round_up, unmap_with
 from torchforge.errors import CorruptShardError, TorchforgeError
 from torchforge.features.index import IdIndex
-from torchforge.features.layout import Manifest, Schema, ShardEntry
+from torchforge.features.layout import Manifest, Schema, ShardEntry, check_cast
 from torchforge.formats.safetensors import parse_header
 from torchforge.loader import collate
 
@@ -305,7 +305,9 @@ def _default_row(missing: Any, name: str, schema: Schema) -> np.ndarray:
     col = schema[name]
     t = torch.empty(col.shape, dtype=col.dtype)
     try:
-        t.copy_(torch.as_tensor(value))  # broadcasts a scalar
+        v = torch.as_tensor(value)
+        t.copy_(v)  # broadcasts a scalar
+        check_cast(v.expand(t.shape), t, name)
     except (RuntimeError, TypeError, ValueError) as e:
         raise ValueError(f"missing= for column {name!r} (rows of shape {tuple(col.shape)}, {col.dtype}) "
                          f"does not fit: {e}") from None

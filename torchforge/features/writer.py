@@ -54,6 +54,7 @@ from torchforge.features.layout import (
     VERSIONS,
     Manifest,
     ShardEntry,
+    check_cast,
     claim_version,
     clean_leftovers,
     list_versions,
@@ -265,6 +266,7 @@ class FeatureWriter:
                 raise ValueError(f"column {name!r} has shape {tuple(v.shape)}, expected {(n, *col.shape)} "
                                  f"for {n} ids")
             rows[name] = _host(v.detach(), col.dtype, copy=name != self._stream)
+            check_cast(v, rows[name], name, arr)
         if n == 0:
             return
         if self._buffered >= self.shard_size:
