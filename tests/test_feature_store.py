@@ -1149,3 +1149,44 @@ def test_values_a_column_cannot_hold_are_refused_not_wrapped(tmp_path):
         with pytest.raises(ValueError, match=f"missing= for column {match}"):
             st_.get([7, 99], missing=missing)
     assert st_.get([99], missing={"label": -128, "mask": 255, "h": float("inf")})["h"].tolist() == [float("inf")]
+
+
+def test_a_shard_header_that_moves_a_column_is_a_typed_error_not_another_columns_values(tmp_path):
+    """A header that swaps the data offsets of two columns of one dtype and shape passed the dtype and shape
+    checks, and get() returned column b's values as column a's; the writer's layout is fixed, and checked."""
+    import glob
+    import struct
+
+    store = FeatureStore(tmp_path / "fs", {"a": ((), torch.float32), "b": ((), torch.float32)}, create=True)
+    with store.writer() as w:
+        w.write(np.arange(10), a=np.arange(10, dtype=np.float32), b=-np.arange(10, dtype=np.float32))
+    (path,) = glob.glob(str(tmp_path / "fs" / "shards" / "*.safetensors"))
+    with open(path, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        head = json.loads(f.read(n))
+        head["a"]["data_offsets"], head["b"]["data_offsets"] = head["b"]["data_offsets"], head["a"]["data_offsets"]
+        text = json.dumps(head, separators=(",", ":")).encode()
+        f.seek(8)
+        f.write(text + b" " * (n - len(text)))
+    with pytest.raises(CorruptShardError, match="tensor '[ab]' starts at byte") as e:
+        FeatureStore(tmp_path / "fs").get([3])
+    assert e.value.path == path and e.value.offset is not None
+
+
+@pytest.mark.parametrize("which", ["index", "shard", "manifest"])
+def test_a_fifo_in_place_of_a_stores_file_is_a_typed_error_not_a_hang(written, which):
+    """open() of a FIFO blocks until a writer comes: FeatureStore(path) and verify hung for ever on a FIFO in
+    place of the index; every file of a store is now opened without blocking and refused if not regular."""
+    import glob
+
+    from torchforge.cli import verify_dataset
+
+    pattern = {"index": "index/*.safetensors", "shard": "shards/*.safetensors", "manifest": "versions/*.json"}[which]
+    (path,) = glob.glob(os.path.join(written.path, pattern))
+    os.remove(path)
+    os.mkfifo(path)
+    with pytest.raises(TorchforgeError, match="not a regular file") as e:
+        FeatureStore(written.path).get([3])
+    assert e.value.path == path
+    _, problems = verify_dataset(written.path)
+    assert problems and "not a regular file" in " ".join(problems)

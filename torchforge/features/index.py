@@ -32,7 +32,7 @@ import torch
 
 from torchforge.checkpoint.digest import BlockDigest
 from torchforge.errors import CorruptShardError
-from torchforge.features.layout import temp_name
+from torchforge.features.layout import open_regular, temp_name
 from torchforge.formats.safetensors import as_bytes, fsync_dir, parse_header, plan, write_all
 
 __all__ = ["IdIndex", "last_writes", "merge", "overlay", "write_index"]
@@ -140,7 +140,7 @@ class IdIndex:
     def __init__(self, path: str, expect_rows: int, expect_bytes: int):
         self.path = path
         try:
-            f = open(path, "rb")  # noqa: SIM115 (closed by the with below)
+            f = open_regular(path)
         except FileNotFoundError:
             raise CorruptShardError("the index the manifest lists is missing", path=path) from None
         with f:

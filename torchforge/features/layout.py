@@ -25,19 +25,35 @@ import contextlib
 import json
 import os
 import re
+import stat
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
 from torchforge._proc import host_name, pid_alive
-from torchforge.errors import FormatError, NotFoundError, TorchforgeError
+from torchforge.errors import CorruptShardError, FormatError, NotFoundError, TorchforgeError
 from torchforge.formats.safetensors import DTYPES, fsync_dir
 
-__all__ = ["FORMAT", "Column", "Manifest", "ShardEntry", "check_cast", "claim_version", "list_versions", "pick_columns",
-           "read_manifest", "read_schema", "schema_from_user", "temp_name", "write_schema"]
+__all__ = [
+    "FORMAT",
+    "Column",
+    "Manifest",
+    "ShardEntry",
+    "check_cast",
+    "claim_version",
+    "column_order",
+    "list_versions",
+    "open_regular",
+    "pick_columns",
+    "read_manifest",
+    "read_schema",
+    "schema_from_user",
+    "temp_name",
+    "write_schema",
+]
 
 FORMAT = "torchforge-feature-store"
 FORMAT_VERSION = 1
@@ -343,9 +359,27 @@ def _write_temp(folder: str, stem: str, doc: Any) -> str:
     return tmp
 
 
+def open_regular(path: str) -> BinaryIO:
+    """``path`` opened for reading, refusing what is not a regular file (opening a FIFO would block for ever).
+
+    Raises:
+        FileNotFoundError: as ``open()``.
+        CorruptShardError: a FIFO, a device or a folder.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptShardError("not a regular file (a FIFO, a device or a folder) where the store keeps one",
+                                    path=path)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _read_json(path: str) -> Any:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             data = f.read(MAX_JSON + 1)
     except FileNotFoundError:
         raise NotFoundError("no such file: not a feature store (or not one yet)", path=path) from None
@@ -375,3 +409,17 @@ def check_cast(v: torch.Tensor, out: torch.Tensor, name: str, ids: np.ndarray | 
         where = f" (row of id {int(ids[at[0]])})" if ids is not None and len(at) and at[0] < len(ids) else ""
         raise ValueError(f"column {name!r} ({out.dtype}) cannot hold the value {v[at].item()!r}{where}: it would "
                          f"be stored as {out[at].item()!r}")
+
+
+_STREAM_MIN = 64  # row bytes from which a column is streamed rather than buffered
+
+
+def column_order(schema: Schema) -> tuple[str | None, list[str]]:
+    """A shard's layout, the writer's and what the reader checks: ``(stream, rest)``. The stream column is
+    the widest, if wide enough and a multiple of every alignment (so the columns after it stay aligned); it
+    comes first, then ``"id"`` and the buffered columns, widest dtype first (as safetensors), then by name."""
+    widths = {"id": 8, **{c: col.dtype.itemsize for c, col in schema.items()}}
+    align = max(widths.values())
+    wide = [c for c, col in schema.items() if col.row_bytes >= _STREAM_MIN and col.row_bytes % align == 0]
+    stream = max(wide, key=lambda c: schema[c].row_bytes) if wide else None
+    return stream, sorted((c for c in widths if c != stream), key=lambda c: (-widths[c], c))

@@ -57,6 +57,7 @@ from torchforge.features.layout import (
     check_cast,
     claim_version,
     clean_leftovers,
+    column_order,
     list_versions,
     read_manifest,
     schema_to_json,
@@ -99,7 +100,6 @@ def _rank(rank: int | None) -> int:
 
 
 _PIECE = 4 << 20  # bytes of a stream column digested then written at a time (still in cache for the write)
-_STREAM_MIN = 64  # row bytes from which a column is streamed rather than buffered
 
 
 class _OpenShard:
@@ -205,13 +205,7 @@ class FeatureWriter:
         self.name = writer_name()
         self.shard_size = parse_size(shard_size, option="shard_size")
         self._meta = {"format": SHARD_FORMAT, "version": "1", "rank": str(self.rank), "writer": self.name}
-        # the stream column: the widest, if wide enough and a multiple of every alignment (so the columns
-        # after it stay aligned); then "id" and the buffered columns, widest dtype first (as safetensors)
-        widths = {"id": 8, **{c: col.dtype.itemsize for c, col in self.schema.items()}}
-        align = max(widths.values())
-        wide = [c for c, col in self.schema.items() if col.row_bytes >= _STREAM_MIN and col.row_bytes % align == 0]
-        self._stream = max(wide, key=lambda c: self.schema[c].row_bytes) if wide else None
-        self._order = sorted((c for c in widths if c != self._stream), key=lambda c: (-widths[c], c))
+        self._stream, self._order = column_order(self.schema)
         self._data_start = -(-(8 + len(self._header(10**15))) // PAGE) * PAGE  # any real row count fits
         self._ids: list[np.ndarray] = []
         self._cols: dict[str, list[torch.Tensor]] = {c: [] for c in self.schema if c != self._stream}
