@@ -1190,3 +1190,19 @@ def test_a_fifo_in_place_of_a_stores_file_is_a_typed_error_not_a_hang(written, w
     assert e.value.path == path
     _, problems = verify_dataset(written.path)
     assert problems and "not a regular file" in " ".join(problems)
+
+
+def test_verify_checks_a_store_of_more_shards_than_the_process_may_open_files(tmp_path):
+    """verify kept every shard mapped (one descriptor each): a store whose versions name more shards than
+    RLIMIT_NOFILE allows was 'OSError: Too many open files' and nothing was checked."""
+    store = FeatureStore(tmp_path / "fs", {"e": ((16,), torch.float32)}, create=True)
+    with store.writer(shard_size=4096) as w:  # a shard per two writes: 150 shards
+        for a in range(0, 300 * 56, 56):
+            w.write(np.arange(a, a + 56), e=torch.arange(a, a + 56).float()[:, None].expand(56, 16))
+    assert len(os.listdir(tmp_path / "fs" / "shards")) >= 140
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100)); "
+            "from torchforge.cli import main; sys.exit(main(['verify', sys.argv[1]]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "fs")], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{300 * 56} rows checked over every version, 0 problems" in proc.stdout

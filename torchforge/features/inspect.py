@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,7 +54,9 @@ def verify_store(path: str) -> tuple[int, list[str]]:
     except TorchforgeError as e:
         return 0, [str(e)]
     digests: dict[str, str] = {}
-    opened: dict[tuple[str, int, int], _Shard] = {}  # (file, bytes, rows) checked against a manifest entry
+    # (file, bytes, rows) checked against a manifest entry: its rows' ids, copied (a shard kept mapped would
+    # hold a file descriptor, and a store's versions may name more shards than a process may open)
+    opened: dict[tuple[str, int, int], _Ids] = {}
     for v in versions:
         try:
             m = read_manifest(store.path, v)
@@ -62,7 +64,11 @@ def verify_store(path: str) -> tuple[int, list[str]]:
                 f = os.path.join(store.path, entry.file)
                 if entry in m.shards and (entry.file, entry.bytes, entry.rows) not in opened:
                     # size, header, tensors against this entry and schema
-                    opened[(entry.file, entry.bytes, entry.rows)] = _Shard(store.path, entry, m.schema)
+                    shard = _Shard(store.path, entry, m.schema)
+                    ids = shard.cols["id"]
+                    opened[(entry.file, entry.bytes, entry.rows)] = _Ids(
+                        shard.path, shard.rows, np.array(ids.view(np.int64)) if ids is not None else None)
+                    del shard, ids
                 if entry.file not in digests:
                     digests[entry.file] = file_digest(f) if os.path.isfile(f) else "missing"
                 if digests[entry.file] != entry.digest:
@@ -77,7 +83,13 @@ def verify_store(path: str) -> tuple[int, list[str]]:
     return checked, problems
 
 
-def _check_index(idx: IdIndex, shards: list[_Shard]) -> None:
+class _Ids(NamedTuple):
+    path: str
+    rows: int
+    ids: np.ndarray | None  # (None: no rows)
+
+
+def _check_index(idx: IdIndex, shards: list[_Ids]) -> None:
     ids, sh, row = idx.ids, idx.shard, idx.row
     shard_rows = [s.rows for s in shards]
     if len(ids) > 1 and not (ids[1:] > ids[:-1]).all():
@@ -88,7 +100,7 @@ def _check_index(idx: IdIndex, shards: list[_Shard]) -> None:
         raise CorruptShardError("rows outside their shard", path=idx.path)
     for k, s in enumerate(shards):  # every row the index points at holds the id it is listed under
         mine = sh == k
-        held = s.cols["id"][row[mine]].view(np.int64)
+        held = s.ids[row[mine]] if s.ids is not None else np.zeros(0, np.int64)
         if not np.array_equal(held, ids[mine]):
             j = int(np.flatnonzero(held != ids[mine])[0])
             raise CorruptShardError(f"the index puts id {int(ids[mine][j])} at row {int(row[mine][j])} of shard {k}, "
