@@ -1206,3 +1206,74 @@ def test_verify_checks_a_store_of_more_shards_than_the_process_may_open_files(tm
                           timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"{300 * 56} rows checked over every version, 0 problems" in proc.stdout
+
+
+def test_prune_keeps_the_newest_versions_and_frees_the_files_only_older_ones_name(tmp_path):
+    """Each commit writes an id index of the whole store: 60 small commits to a big store grew it 40-fold,
+    and nothing could remove old versions. prune(keep) deletes the older versions and their files."""
+    store = FeatureStore(tmp_path / "fs", SCHEMA, create=True)
+    with store.writer() as w:
+        w.write(np.arange(1000), **_rows(np.arange(1000)))
+    for k in range(5):  # overwrites of a few rows, one commit each
+        with store.writer() as w:
+            w.write(np.arange(k, 1000, 100), **_rows(np.arange(k, 1000, 100), salt=k + 1))
+    old = store.at(2)
+    files = {sub: set(os.listdir(tmp_path / "fs" / sub)) for sub in ("shards", "index")}
+    assert len(files["index"]) == 6
+    assert store.prune(keep=2) == [1, 2, 3, 4]
+    assert set(os.listdir(tmp_path / "fs" / "index")) < files["index"] and len(os.listdir(tmp_path / "fs" / "index")) == 2
+    assert set(os.listdir(tmp_path / "fs" / "shards")) <= files["shards"]
+    assert store.version == 6 and store.at(5).version == 5
+    with pytest.raises(NotFoundError, match="version 2 was pruned"):
+        store.at(2)
+    _expect(store, np.arange(5, 1000, 100))  # untouched since the first commit
+    _expect(store, np.arange(4, 1000, 100), salt=5)
+    assert store.prune(keep=2) == [] and old.version == 2  # (a handle at a deleted version is not moved)
+    with store.writer() as w:  # commits go on after a prune
+        w.write([5000], **_rows([5000]))
+    assert store.version == 7 and len(store) == 1001
+    from torchforge.cli import verify_dataset
+    checked, problems = verify_dataset(store.path)
+    assert problems == [] and checked == 1000 + 1000 + 1001
+    with pytest.raises(ValueError, match="keep=0"):
+        store.prune(keep=0)
+
+
+def _commit_many(path, rank, n):
+    store = FeatureStore(path)
+    for k in range(n):
+        with store.writer() as w:
+            ids = np.arange(rank * 1000 + k * 10, rank * 1000 + k * 10 + 10)
+            w.write(ids, **_rows(ids))
+
+
+def _prune_while(path, stop):
+    store = FeatureStore(path)
+    while not stop.is_set():
+        store.prune(keep=1)
+
+
+def test_commits_concurrent_with_prune_are_never_lost(tmp_path):
+    """A commit whose parent version is pruned between its read and its claim redoes its index on the newest
+    version (it raised a CorruptShardError for the vanished index): 3 writers x 15 commits against a process
+    pruning to one version all the time lose no row."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    path = str(tmp_path / "fs")
+    FeatureStore(path, SCHEMA, create=True)
+    stop = ctx.Event()
+    pruner = ctx.Process(target=_prune_while, args=(path, stop))
+    pruner.start()
+    writers = [ctx.Process(target=_commit_many, args=(path, r, 15)) for r in range(3)]
+    for p in writers:
+        p.start()
+    for p in writers:
+        p.join(240)
+    stop.set()
+    pruner.join(60)
+    assert [p.exitcode for p in writers] == [0, 0, 0] and pruner.exitcode == 0
+    store = FeatureStore(path)
+    ids = np.concatenate([np.arange(r * 1000, r * 1000 + 150) for r in range(3)])
+    assert store.version == 45 and len(store) == 450
+    _expect(store, ids)

@@ -9,7 +9,14 @@ import numpy as np
 
 from torchforge.errors import CorruptShardError, TorchforgeError
 from torchforge.features.index import IdIndex, _directory
-from torchforge.features.layout import SCHEMA_FILE, VERSIONS, list_versions, read_manifest
+from torchforge.features.layout import (
+    SCHEMA_FILE,
+    VERSIONS,
+    PrunedError,
+    list_versions,
+    live_versions,
+    read_manifest,
+)
 from torchforge.features.reader import _Shard
 from torchforge.features.store import FeatureStore
 from torchforge.features.writer import file_digest
@@ -32,7 +39,7 @@ def store_info(path: str) -> dict[str, Any]:
         "path": path,
         "format": "feature-store",
         "version": store.version,
-        "versions": len(list_versions(store.path)),
+        "versions": len(live_versions(store.path)),
         "rows": len(store),
         "id range": [int(ids[0]), int(ids[-1])] if len(ids) else None,
         "columns": {k: f"{str(c.dtype).removeprefix('torch.')} {list(c.shape)}" for k, c in store.schema.items()},
@@ -59,7 +66,10 @@ def verify_store(path: str) -> tuple[int, list[str]]:
     opened: dict[tuple[str, int, int], _Ids] = {}
     for v in versions:
         try:
-            m = read_manifest(store.path, v)
+            try:
+                m = read_manifest(store.path, v)
+            except PrunedError:
+                continue  # (its files are gone with it)
             for entry in (*m.shards, *([m.index] if m.index else [])):
                 f = os.path.join(store.path, entry.file)
                 if entry in m.shards and (entry.file, entry.bytes, entry.rows) not in opened:

@@ -41,13 +41,16 @@ __all__ = [
     "FORMAT",
     "Column",
     "Manifest",
+    "PrunedError",
     "ShardEntry",
     "check_cast",
     "claim_version",
     "column_order",
     "list_versions",
+    "live_versions",
     "open_regular",
     "pick_columns",
+    "prune_versions",
     "read_manifest",
     "read_schema",
     "schema_from_user",
@@ -224,6 +227,20 @@ def list_versions(root: str) -> list[int]:
     return sorted(int(m.group(1)) for m in map(_VERSION_RE.fullmatch, names) if m)
 
 
+def live_versions(root: str) -> list[int]:
+    """The version numbers not pruned, ascending (reads every manifest)."""
+    live = []
+    for v in list_versions(root):
+        try:
+            doc = _read_json(version_path(root, v))
+        except TorchforgeError:
+            live.append(v)  # (damaged, not pruned: verify says so)
+            continue
+        if not (isinstance(doc, dict) and doc.get("pruned") is True):
+            live.append(v)
+    return live
+
+
 def _entry(doc: Any, folder: str, path: str, what: str) -> ShardEntry:
     if not isinstance(doc, dict):
         raise FormatError(f"{what} entry {doc!r} is not an object", path=path)
@@ -237,14 +254,26 @@ def _entry(doc: Any, folder: str, path: str, what: str) -> ShardEntry:
     return ShardEntry(file, size, rows, digest)
 
 
+class PrunedError(NotFoundError):
+    """The version was deleted by ``FeatureStore.prune`` (its number stays taken: a tombstone)."""
+
+
 def read_manifest(root: str, version: int) -> Manifest:
-    """The manifest of ``version``, checked field by field (FormatError names the file and field)."""
+    """The manifest of ``version``, checked field by field (FormatError names the file and field).
+
+    Raises:
+        NotFoundError: no such version; PrunedError: it was pruned.
+        FormatError: a malformed manifest.
+    """
     path = version_path(root, version)
     if not os.path.exists(path):
         have = list_versions(root)
         raise NotFoundError(f"version {version} does not exist (the store has "
                             f"{f'versions 1..{have[-1]}' if have else 'no version yet'})", path=path)
     doc = _read_json(path)
+    if isinstance(doc, dict) and doc.get("format") == FORMAT and doc.get("pruned") is True \
+            and doc.get("version") == version:
+        raise PrunedError(f"version {version} was pruned (FeatureStore.prune keeps the newest versions)", path=path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise FormatError(f"not a feature store manifest (expected \"format\": {FORMAT!r})", path=path)
     if doc.get("version") != version:
@@ -332,7 +361,10 @@ def clean_leftovers(root: str) -> list[str]:
         used: set[str] = set()
         try:
             for v in reversed(list_versions(root)):  # newest first: the latest names most of them
-                manifest = read_manifest(root, v)
+                try:
+                    manifest = read_manifest(root, v)
+                except PrunedError:
+                    continue
                 used.update(e.file for e in manifest.shards)
                 if manifest.index is not None:
                     used.add(manifest.index.file)
@@ -423,3 +455,50 @@ def column_order(schema: Schema) -> tuple[str | None, list[str]]:
     wide = [c for c, col in schema.items() if col.row_bytes >= _STREAM_MIN and col.row_bytes % align == 0]
     stream = max(wide, key=lambda c: schema[c].row_bytes) if wide else None
     return stream, sorted((c for c in widths if c != stream), key=lambda c: (-widths[c], c))
+
+
+def prune_versions(root: str, keep: int) -> list[int]:
+    """Delete every version but the ``keep`` newest: their manifests first (each becomes a tombstone that keeps
+    its number taken; no reader opens the version from then on), then the files only they name (their id indexes; shards no kept version lists). Returns the version
+    numbers deleted. A version published meanwhile names files of a kept version or its own, never one of
+    these. Every manifest is read before anything is deleted: a damaged one is an error, and nothing changes.
+
+    Raises:
+        ValueError: ``keep`` < 1.
+        FormatError: a manifest cannot be read.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep={keep!r} must be an int >= 1 (the newest version is always kept)")
+    versions = list_versions(root)
+    older, kept = versions[:-keep], versions[-keep:]
+
+    def files(v: int) -> set[str] | None:  # (None: pruned before)
+        try:
+            m = read_manifest(root, v)
+        except PrunedError:
+            return None
+        return {e.file for e in m.shards} | ({m.index.file} if m.index is not None else set())
+
+    used = set().union(*(f for f in map(files, kept) if f is not None))
+    named: set[str] = set()
+    gone = []
+    for v in older:
+        f = files(v)
+        if f is not None:
+            gone.append(v)
+            named |= f
+    if not gone:
+        return []
+    # a tombstone in each manifest's place, never no file: a version number is never claimed twice (a commit
+    # whose parent is an older version would otherwise publish its rows under a deleted number, behind the newest)
+    folder = os.path.join(root, VERSIONS)
+    for v in gone:
+        os.replace(_write_temp(folder, f"v-{v}", {"format": FORMAT, "version": v, "pruned": True}),
+                   version_path(root, v))
+    fsync_dir(folder)
+    for f in sorted(named - used):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(root, f))
+    for sub in (SHARDS, INDEX):
+        fsync_dir(os.path.join(root, sub))
+    return gone

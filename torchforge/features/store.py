@@ -36,6 +36,7 @@ from torchforge.features.layout import (
     Schema,
     list_versions,
     pick_columns,
+    prune_versions,
     read_manifest,
     read_schema,
     schema_from_user,
@@ -128,6 +129,28 @@ class FeatureStore:
         """One of this handle's writers committed: follow it, unless the handle was opened at a version."""
         if not self._pinned:
             self._open(None)
+
+    def prune(self, keep: int = 1) -> list[int]:
+        """Delete every version but the ``keep`` newest, and the files only they name: each version keeps an
+        id index of every row of the store, so a store committed to often grows by one index per commit
+        until old versions are pruned. Returns the version numbers deleted.
+
+        Not for versions still being read: a handle (in another process too) at a deleted version reads on
+        from the files it has open, and a shard it had not opened yet is a CorruptShardError ("missing");
+        ``at()`` of a deleted version is a NotFoundError. This handle moves to the newest version if its own
+        was deleted. Concurrent commits are safe (a commit whose parent version is deleted under it redoes
+        its index on the newest). Shards whose rows later commits overwrote stay while a kept version lists
+        them (the store is not compacted).
+
+        Raises:
+            ValueError: ``keep`` < 1.
+            FormatError: a manifest cannot be read (nothing is deleted).
+        """
+        gone = prune_versions(self.path, keep)
+        if self.version in gone:
+            self._open(None)
+            self._pinned = False
+        return gone
 
     def at(self, version: int) -> FeatureStore:
         """A handle reading ``version`` (1 is the first commit); it stays there, its own writers'

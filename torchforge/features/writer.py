@@ -348,11 +348,17 @@ class FeatureWriter:
         while True:
             versions = list_versions(self.root)
             latest = versions[-1] if versions else 0
-            parent = read_manifest(self.root, latest) if latest else None
-            if parent is not None and parent.schema != self.schema:
-                raise FormatError(f"version {latest} has schema {schema_to_json(parent.schema)}, this writer "
-                                  f"{schema_to_json(self.schema)}", path=self.root)
-            manifest, index_path = self._manifest(latest, parent, mine, new, attempt)
+            try:
+                parent = read_manifest(self.root, latest) if latest else None
+                if parent is not None and parent.schema != self.schema:
+                    raise FormatError(f"version {latest} has schema {schema_to_json(parent.schema)}, this writer "
+                                      f"{schema_to_json(self.schema)}", path=self.root)
+                manifest, index_path = self._manifest(latest, parent, mine, new, attempt)
+            except TorchforgeError:
+                if list_versions(self.root)[-1:] == [latest]:
+                    raise
+                attempt += 1  # the parent was pruned under it (a newer version exists): redo on the newest
+                continue
             try:  # the index was built while the shards were fsynced; a manifest names only durable files
                 self._wait()
                 self._name_shards()
