@@ -9,8 +9,8 @@ Nothing here imports obstore: the caller's process must never start obstore's ru
 ``storage_options`` keys, the same for every scheme where they apply: ``endpoint``, ``region``,
 ``access_key_id``, ``secret_access_key``, ``session_token``, ``anonymous`` (send unsigned requests),
 ``allow_http``; ``client_options`` (obstore's: ``timeout``, ``connect_timeout``, proxies); the retry
-budget of transient failures (5xx, 429, timeouts, resets, truncated bodies), ``max_retries`` (default 6:
-about 3 s of backoff in all) and ``retry_timeout`` (seconds: go on retrying until that long has passed
+budget of transient failures (5xx, 429, timeouts, resets, truncated bodies), ``max_retries`` (default 6,
+full-jitter backoff: at most 3.2 s in all, 1.6 s on average) and ``retry_timeout`` (seconds: go on retrying until that long has passed
 since the first attempt, as many times as it takes unless ``max_retries`` is also given), for a job that
 should wait out an outage of the store rather than stop. A request times out after 15 s when it moves no
 data (HEAD, LIST, DELETE) and after 120 s when it does (``client_options["timeout"]`` sets both), and
