@@ -952,6 +952,12 @@ def test_open_dataset_at_a_missing_url_names_it(env, tmp_path):
     assert time.monotonic() - start < 5
     with pytest.raises(ValueError, match=r"mode='whole' is not one of \['shards', 'ranges'\]"):
         torchforge.open_dataset(f"s3://{BUCKET}/nothing/here", mode="whole")
+    # an option no format takes names every class, not the first one tried (it said RemoteJinxDataset alone,
+    # of a safetensors dataset)
+    with pytest.raises(TypeError, match="no dataset class at .* takes these options .*RemoteJinxDataset.*"
+                                        "RemoteSafetensorsDataset.*bogus"):
+        torchforge.open_dataset(f"s3://{BUCKET}/nothing/here", cache_dir=tmp_path / "cache",
+                                storage_options=_via(proxy), bogus=1)
 
 
 def test_ranges_mode_reads_batches_with_coalesced_requests_and_no_whole_shard(env, tmp_path):

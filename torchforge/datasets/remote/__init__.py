@@ -87,7 +87,7 @@ def open_remote(url: str, **kwargs: Any) -> Any:
     else:  # an MDS dataset: what is missing inside it (a shard) is its own error, naming that shard
         return RemoteMDSDataset(url, **kwargs)
     found = False  # any object below the folder
-    refused: TypeError | None = None  # options the JINX class does not take (columns=, for safetensors)
+    refused: list[str] = []  # options a class does not take (columns=, for safetensors)
     # a URL naming a .safetensors object tries that format first: the JINX reader would list the folder
     order = (RemoteSafetensorsDataset, RemoteJinxDataset) if folder.endswith(".safetensors") \
         else (RemoteJinxDataset, RemoteSafetensorsDataset)
@@ -95,7 +95,7 @@ def open_remote(url: str, **kwargs: Any) -> Any:
         try:
             inspect.signature(cls).bind(url, **kwargs)
         except TypeError as e:
-            refused = refused or TypeError(f"{cls.__name__}: {e}")
+            refused.append(f"{cls.__name__}: {e}")
             continue
         try:
             return cls(url, **kwargs)
@@ -109,8 +109,9 @@ def open_remote(url: str, **kwargs: Any) -> Any:
             if e.path not in (url, url.rstrip("/"), folder):
                 raise
             found = True
-    if refused is not None:  # the format these options were for is not here: say which options did not fit
-        raise refused
+    if refused:  # the format these options were for is not here (or no format takes them): say which did not fit
+        raise TypeError(refused[0] if len(refused) < len(order) else
+                        f"no dataset class at {url} takes these options ({'; '.join(refused)})")
     if not found:
         raise RemoteNotFoundError("no dataset here: no index.json (MDS) and no shards below the folder",
                                   url=f"{folder}/{INDEX_BASENAME}")
