@@ -1550,3 +1550,152 @@ def test_a_checkpointer_or_feature_store_where_a_file_is_in_the_way_is_a_typed_e
     with pytest.raises(TorchforgeError, match="cannot make the feature store's folders") as e:
         FeatureStore(afile, {"a": ((), torch.float32)}, create=True)  # was: NotADirectoryError
     assert e.value.path.startswith(str(afile)) and afile.read_text() == "x"
+
+
+# --- a long run's lifecycle ---------------------------------------------------------------------------
+_ASYNC_AT_EXIT = """
+import sys, torch
+from torchforge.checkpoint import Checkpointer
+ck = Checkpointer(sys.argv[1])
+m = torch.nn.Linear(256, 256)
+ck.save(1, model=m)
+ck.save(2, model=m, blocking=False)  # the script's last line: no wait()
+"""
+
+
+def test_an_async_save_on_a_scripts_last_line_is_committed_before_the_interpreter_exits(tmp_path):
+    """At exit, concurrent.futures shut its pools down before the save thread ran: the save failed with
+    'cannot schedule new futures after interpreter shutdown', kept for a wait() that never came, and step 2
+    was silently not written (exit code 0)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _ASYNC_AT_EXIT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    ck = Checkpointer(tmp_path)
+    assert ck.steps() == [1, 2] and ck.latest() == 2
+    ck.verify(2)
+
+
+def test_latest_and_pruning_follow_the_commit_order_not_the_hosts_clock(tmp_path, monkeypatch):
+    """A run resumed on a host whose clock is an hour behind: latest() stayed on the old host's step 3, and
+    keep_last pruned each new save at the next one (the folder ended [2, 3, 7])."""
+    m = torch.nn.Linear(4, 4)
+    ck = Checkpointer(tmp_path, keep_last=3)
+    for s in (1, 2, 3):
+        ck.save(s, model=m)
+    real = time.time_ns
+    monkeypatch.setattr(time, "time_ns", lambda: real() - 3600 * 10**9)
+    for s in (4, 5, 6, 7):
+        ck.save(s, model=m)
+        assert ck.latest() == s
+    assert ck.steps() == [5, 6, 7]
+    ck.restore(6)  # a rollback: the next save is the latest, whatever its number
+    ck.save(6, model=m)
+    assert ck.latest() == 6 and ck.committed() == [5, 7, 6]
+
+
+def test_a_save_never_prunes_a_step_another_job_committed_after_it(tmp_path):
+    """Two jobs saving into one folder with keep_last=1: A committed 10, B committed 11 and pruned 10, then
+    A's prune deleted 11, committed after A's own step; both saves returned and no step was left."""
+    m = torch.nn.Linear(8, 8)
+    a, b = Checkpointer(tmp_path, keep_last=1), Checkpointer(tmp_path, keep_last=1)
+    a.save(5, model=m)
+    prune = a._prune
+
+    def interleaved(step, recycle=False):
+        b.save(11, model=m)  # the other job commits (and prunes) between A's commit and A's prune
+        return prune(step, recycle)
+
+    a._prune = interleaved
+    a.save(10, model=m)
+    assert a.steps() == [11] and a.latest() == 11
+    Checkpointer(tmp_path).verify(11)
+
+
+def test_pruning_a_step_folder_that_is_a_link_removes_the_link_not_what_it_names(tmp_path):
+    """A step linked in from an archive (the run's starting point) was pruned through the link: the files
+    inside the archived step were deleted, and the next save wrote over its shard."""
+    m = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 1024))  # a shard of 24 MiB
+    archive = Checkpointer(tmp_path / "archive")
+    archive.save(0, model=m)
+    (tmp_path / "run").mkdir()
+    os.symlink(archive.path(0), tmp_path / "run" / "step-00000000")
+    ck = Checkpointer(tmp_path / "run", keep_last=2)
+    assert ck.steps() == [0]
+    for s in (1, 2, 3):
+        ck.save(s, model=m)
+    assert ck.steps() == [2, 3] and not os.path.lexists(tmp_path / "run" / "step-00000000")
+    Checkpointer(tmp_path / "archive").verify(0)
+
+
+def test_a_folder_named_like_a_step_but_not_as_path_names_it_is_not_a_step(tmp_path):
+    """'step-000000007' (nine digits) was listed as step 7, whose path() is 'step-00000007': restore could not
+    find it and every later save's pruning failed, so the folder grew without bound."""
+    (tmp_path / "step-000000007").mkdir()
+    ck = Checkpointer(tmp_path, keep_last=2)
+    m = torch.nn.Linear(4, 4)
+    for s in (11, 12, 13):
+        ck.save(s, model=m)
+    assert ck.steps() == [12, 13] and (tmp_path / "step-000000007").is_dir()
+    ck.save(123456789, model=m)  # nine digits where eight do not hold the number: its own name, listed
+    assert ck.steps() == [13, 123456789] and ck.latest() == 123456789
+
+
+def test_a_deleted_checkpoint_folder_lists_no_step_and_restore_says_so(tmp_path):
+    import shutil
+
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(1, model=torch.nn.Linear(2, 2))
+    shutil.rmtree(tmp_path / "ck")
+    assert ck.steps() == [] and ck.latest() is None  # were raw FileNotFoundErrors
+    with pytest.raises(CheckpointError):
+        ck.restore(model=torch.nn.Linear(2, 2))
+
+
+def test_verify_of_a_step_whose_manifest_is_gone_names_the_manifest(tmp_path, capsys):
+    from torchforge.cli import main
+
+    ck = Checkpointer(tmp_path)
+    ck.save(2, model=torch.nn.Linear(2, 2))
+    os.remove(os.path.join(ck.path(2), "manifest.json"))
+    assert main(["verify", ck.path(2)]) == 1
+    out = capsys.readouterr().out
+    assert "manifest.json" in out and "not a dataset" not in out  # it said: not a dataset of any known format
+
+
+_EFBIG = """
+import resource, signal, sys, torch
+from torchforge.checkpoint import Checkpointer
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+ck = Checkpointer(sys.argv[1], direct_io=False)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+try:
+    ck.save(1, model=torch.nn.Linear(1024, 1024))
+except Exception as e:
+    print(type(e).__name__, e.path)
+"""
+
+
+def test_a_file_that_cannot_be_made_as_large_as_it_must_be_is_named_in_the_error(tmp_path):
+    """EFBIG from preallocating a shard (RLIMIT_FSIZE; ENOSPC alike) named the step's temporary folder."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _EFBIG, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.stdout.startswith("CheckpointError ") and proc.stdout.strip().endswith(".safetensors"), proc
+    assert Checkpointer(tmp_path).steps() == []
+
+
+def test_an_export_killed_before_it_finished_is_cleaned_by_the_next_export(tmp_path):
+    from torchforge.checkpoint.distributed import host_name
+
+    dead = tmp_path / f".hf.tmp-h{host_name()}-p{2**22 + 12345}"  # (no such pid)
+    dead.mkdir()
+    (dead / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 4096)
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(1, model=torch.nn.Linear(4, 4))
+    ck.export(1, tmp_path / "hf")
+    assert not dead.exists() and (tmp_path / "hf" / "model.safetensors.index.json").is_file()

@@ -249,3 +249,40 @@ def test_an_error_in_a_shard_streaming_decompressed_names_the_compressed_file_to
     with pytest.raises(CorruptShardError, match=r"decompressed this file from shard\.00001\.mds\.zstd") as e:
         list(ds)
     assert e.value.path.endswith("shard.00001.mds") and str(e.value).count("decompressed this file") == 1
+
+
+def test_a_users_mds_encoding_or_a_replaced_stock_one_reads_as_streaming_reads_it(tmp_path, monkeypatch):
+    """Streaming decodes through its encoding table, where users register their own encodings (and may
+    replace a stock one): patched, a registered one made the dataset impossible to build (FormatError:
+    unknown MDS encoding) and a replaced one was ignored (other values, silently). Such a shard now gets
+    Streaming's own reader; the other shards keep torchforge's."""
+    from streaming import MDSWriter
+    from streaming.base.format.mds import encodings
+
+    class Upper(encodings.Encoding):
+        def encode(self, obj):
+            return obj.upper().encode()
+
+        def decode(self, data):
+            return data.decode() + "!"
+
+    class Shout(encodings.Str):
+        def decode(self, data):
+            return super().decode(data).upper()
+
+    monkeypatch.setitem(encodings._encodings, "upper", Upper)
+    src = tmp_path / "src"
+    with MDSWriter(out=str(src), columns={"id": "int", "up": "upper", "s": "str"}) as w:
+        for i in range(5):
+            w.write({"id": i, "up": f"x{i}", "s": f"y{i}"})
+    plain = tmp_path / "plain"
+    with MDSWriter(out=str(plain), columns={"id": "int", "s": "str"}) as w:
+        for i in range(3):
+            w.write({"id": i, "s": f"y{i}"})
+    tfs.patch()
+    ds = _dataset(tmp_path, src)
+    assert [(s["up"], s["s"]) for s in ds] == [(f"X{i}!", f"y{i}") for i in range(5)]
+    assert type(_dataset(tmp_path, plain).shards[0]).__name__ == "MDSStreamingReader"  # (stock: torchforge's)
+    monkeypatch.setitem(encodings._encodings, "str", Shout)
+    clean_stale_shared_memory()
+    assert [s["s"] for s in _dataset(tmp_path, plain)] == ["Y0", "Y1", "Y2"]

@@ -84,8 +84,17 @@ def _build_reader_class() -> type:
     class MDSStreamingReader(MDSReader):
         """Streaming's ``MDSReader`` with mmap access and per-sample decompression.
 
-        Constructed by Streaming from an index.json shard entry (``from_json`` is inherited).
+        Constructed by Streaming from an index.json shard entry (``from_json``). A shard with a column whose
+        encoding is not Streaming's own (one a user registered, or a stock one replaced, in Streaming's
+        ``encodings._encodings`` table) gets Streaming's own reader, which decodes with that table.
         """
+
+        @classmethod
+        def from_json(cls, dirname: str, split: str | None, obj: dict[str, Any]) -> Any:
+            encodings = obj.get("column_encodings") if isinstance(obj, dict) else None
+            if isinstance(encodings, list) and any(_user_encoding(e) for e in encodings):
+                return MDSReader.from_json(dirname, split, obj)
+            return super().from_json(dirname, split, obj)
 
         def __init__(self, dirname: str, split: str | None, column_encodings: list[str], column_names: list[str],
                      column_sizes: list[int | None], compression: str | None, hashes: list[str], raw_data: Any,
@@ -244,6 +253,18 @@ def _build_reader_class() -> type:
     MDSStreamingReader.__module__ = __name__
     MDSStreamingReader.__qualname__ = "MDSStreamingReader"
     return MDSStreamingReader
+
+
+def _user_encoding(encoding: Any) -> bool:
+    """Whether Streaming's encoding table maps ``encoding`` (``"str"``, ``"ndarray:int32:3"``) to a class
+    that is not Streaming's own: a user's, which torchforge's decoders do not know."""
+    from streaming.base.format.mds import encodings as stock
+
+    if not isinstance(encoding, str):
+        return False
+    cls = stock._encodings.get(encoding.split(":", 1)[0])
+    return cls is not None and not (getattr(cls, "__module__", None) == stock.__name__
+                                    and getattr(stock, getattr(cls, "__name__", ""), None) is cls)
 
 
 def _info_dict(info: Any) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """The :class:`Checkpointer` (see :mod:`torchforge.checkpoint` for the layout)."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import errno
@@ -10,9 +11,11 @@ import os
 import re
 import shutil
 import stat
+import sys
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
 
@@ -40,6 +43,26 @@ from torchforge.formats.safetensors import fsync_dir, load_safetensors
 from torchforge.sizes import parse_size
 
 _log = logging.getLogger("torchforge.checkpoint")
+
+# the Checkpointers with a background save: at interpreter exit each is waited for before the thread pools
+# it writes with refuse work (threading's exit hooks run newest first, and concurrent.futures' was registered
+# when it was imported, above); a script whose last line is save(..., blocking=False) lost that step
+_saving: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def _finish_saves() -> None:
+    for ck in list(_saving):
+        try:
+            ck.wait()
+        except BaseException as e:  # noqa: BLE001 - at exit: said, not raised
+            _log.error("the background save into %s failed at exit: %s", ck.root, e)
+            print(f"torchforge: the background save into {ck.root} failed at exit: {e}", file=sys.stderr)
+
+
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_finish_saves)
+else:  # pragma: no cover - (every supported Python has it)
+    atexit.register(_finish_saves)
 
 __all__ = ["Checkpointer"]
 
@@ -112,6 +135,7 @@ class Checkpointer:
         self.recycle = bool(recycle)
         self._read_only = read_only
         self._spare_dir: str | None = None  # the hidden folder of a pruned step whose files the next save reuses
+        self._committing: tuple[int, tuple[int, int]] | None = None  # (step, its commit key) of the last save
         self.timeout = float(timeout)
         self._closed = False
         self.last_restore: dict[str, int] = {}  # bytes read and needed by the last distributed restore
@@ -130,11 +154,18 @@ class Checkpointer:
 
     # --- listing -------------------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """Committed steps, ascending (folders being written or removed are not listed)."""
+        """Committed steps, ascending (folders being written or removed are not listed; none when the
+        folder itself is gone)."""
         out = []
-        for name in os.listdir(self.root):
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        for name in names:
             m = _STEP.fullmatch(name)
-            if m and os.path.isdir(os.path.join(self.root, name)):
+            # (the name :meth:`path` gives the step, and no other: 'step-000000007' is not step 7's folder)
+            if m and name == os.path.basename(self.path(int(m.group(1)))) and \
+                    os.path.isdir(os.path.join(self.root, name)):
                 out.append(int(m.group(1)))
         return sorted(out)
 
@@ -143,32 +174,41 @@ class Checkpointer:
 
         After a rollback (a run restored from step 5 that saves step 6 again while a step 9 of the
         abandoned run still exists) that is the new save, not the highest step number: resuming goes on
-        from where the run that saved last stopped.
+        from where the run that saved last stopped. "Most recently" is the commit order each manifest
+        records (``seq``: one more than the newest step's when it was committed), not a clock: a run
+        resumed on a host whose clock is behind still finds its own saves latest.
         """
         s = self.committed()
         return s[-1] if s else None
 
     def committed(self) -> list[int]:
-        """Committed steps in the order they were committed (the manifest's commit time)."""
-        return sorted(self.steps(), key=lambda s: (self._commit_time(s), s))
+        """Committed steps in the order they were committed (the manifests' ``seq``)."""
+        return sorted(self.steps(), key=lambda s: (self._commit_key(s), s))
 
-    def _commit_time(self, step: int, strict: bool = False) -> int:
-        """When ``step`` was committed; 0 for a damaged step (no manifest, or not JSON: the oldest, pruned
-        first; restore reports the damage). ``strict``: a manifest that exists but cannot be read now (EIO,
-        EMFILE) raises OSError rather than counting as damaged, so pruning never guesses."""
+    def _commit_key(self, step: int, strict: bool = False) -> tuple[int, int]:
+        """Where ``step`` is in the commit order: ``(seq, commit time)``; a step saved before ``seq`` was
+        recorded is ``(0, its commit time)`` (older than any with one), a damaged step (no manifest, or not
+        JSON) ``(-1, 0)``: the oldest, pruned first (restore reports the damage). ``strict``: a manifest that
+        exists but cannot be read now (EIO, EMFILE) raises OSError rather than counting as damaged, so
+        pruning never guesses."""
         folder = self.path(step)
         try:
             with open(os.path.join(folder, MANIFEST), "rb") as f:
-                t = json.loads(f.read()).get("committed")
-            if isinstance(t, int):
-                return t
-            return os.stat(folder).st_mtime_ns  # a step saved before commit times were recorded
+                doc = json.loads(f.read())
+            seq, t = doc.get("seq"), doc.get("committed")
+            if not isinstance(t, int):
+                t = os.stat(folder).st_mtime_ns  # a step saved before commit times were recorded
+            return (seq if isinstance(seq, int) and not isinstance(seq, bool) and seq > 0 else 0), t
         except OSError as e:
             if strict and not isinstance(e, FileNotFoundError):
                 raise
-            return 0
+            return -1, 0
         except (ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
-            return 0
+            return -1, 0
+
+    def _next_seq(self) -> int:
+        """The ``seq`` of a step committed now: one more than every committed step's."""
+        return 1 + max((self._commit_key(s)[0] for s in self.steps()), default=0)
 
     def path(self, step: int) -> str:
         """The folder of ``step``."""
@@ -229,6 +269,7 @@ class Checkpointer:
                 self._thread = threading.Thread(target=self._run_background, args=(write,),
                                                 name=f"torchforge-ckpt-{step}", daemon=False)
                 self._thread.start()
+                _saving.add(self)
             return
         files, state = self._plan(step, model, optimizer, extra, rank_state,
                                   loader.state_dict() if loader is not None else None)
@@ -246,6 +287,7 @@ class Checkpointer:
             self._thread = threading.Thread(target=self._background, args=(step, files, state, pending, export_to),
                                             name=f"torchforge-ckpt-{step}", daemon=False)
             self._thread.start()
+            _saving.add(self)
 
     def wait(self, *, deletions: bool = False) -> None:
         """Block until the background save (if any) is committed; re-raise its error.
@@ -313,8 +355,12 @@ class Checkpointer:
         try:
             os.mkdir(tmp)
             crash_point("tmp-created")
+            seq = self._next_seq()
+
             def manifest(entries: dict[str, Any]) -> FilePlan:
-                m = {"format": _FORMAT, "version": 1, "step": step, "committed": time.time_ns(),
+                t = time.time_ns()
+                self._committing = (step, (seq, t))  # (what _prune knows of it without reading it back)
+                m = {"format": _FORMAT, "version": 1, "step": step, "committed": t, "seq": seq,
                      "checksum": "blake2b128-of-4KiB-page-sum64, 64MiB blocks", "files": entries}
                 return FilePlan.of_bytes(MANIFEST, json.dumps(m, indent=1).encode() + b"\n")
 
@@ -417,14 +463,18 @@ class Checkpointer:
             others = [s for s in self.steps() if s != step]
             if len(others) < self.keep_last:
                 return
-            times = {}
+            # the step just committed: its seq and time as written (its manifest may not be readable now)
+            own = self._committing[1] if self._committing and self._committing[0] == step else self._commit_key(step)
+            keys = {step: own}
             for s in others:
                 try:
-                    times[s] = self._commit_time(s, strict=True)
+                    keys[s] = self._commit_key(s, strict=True)
                 except OSError as e:  # kept, and not counted: what cannot be read is never deleted
                     _log.warning("not pruning step %d: its manifest cannot be read (%s)", s, e)
-            order = sorted(times, key=lambda s: (times[s], s))
-            for s in order[:max(0, len(order) - (self.keep_last - 1))]:
+            order = sorted(keys, key=lambda s: (keys[s], s))
+            kept = set(order[-self.keep_last:]) | {step}
+            # (never a step committed after this one: another job saving into the same folder keeps its own)
+            for s in [s for s in order if s not in kept and (keys[s], s) < (keys[step], step)]:
                 self._discard(self.path(s), recycle)
                 recycle = False
         except OSError as e:
@@ -434,6 +484,10 @@ class Checkpointer:
     def _discard(self, folder: str, recycle: bool = False) -> None:
         """Make a step invisible at once (rename), then delete its files, or with ``recycle`` keep them as
         the next save's spares (the spares kept before, if any are left, are deleted)."""
+        if os.path.islink(folder):  # a step folder linked in from elsewhere: the link goes, never what it names
+            os.unlink(folder)
+            fsync_dir(self.root)
+            return
         trash = os.path.join(self.root, f".trash-{os.path.basename(folder)}-{uuid.uuid4().hex[:8]}")
         os.rename(folder, trash)
         kept = False

@@ -756,7 +756,10 @@ def _commit(ck: Any, step: int, tmp: str, final: str, world: int) -> None:
             cs.sort(key=lambda c: c["offsets"])
             table[name] = {"shape": _global_shape(cs), "dtype": cs[0]["dtype"],
                            "chunks": [{k: c[k] for k in ("file", "key", "offsets", "sizes", "range")} for c in cs]}
-        manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world, "committed": time.time_ns(),
+        seq, t = ck._next_seq(), time.time_ns()
+        ck._committing = (step, (seq, t))
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world, "committed": t,
+                    "seq": seq,
                     "checksum": "blake2b128-of-4KiB-page-sum64, 64MiB blocks", "files": files,
                     "tensors": table, "spec": spec}
         for r in range(world):  # liveness records of the save, not part of the step

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from torchforge._proc import pid_alive
 from torchforge.checkpoint.writer import FilePlan, file_plan, split_by_size, write_files
 from torchforge.errors import CheckpointError
 from torchforge.formats.safetensors import fsync_dir
@@ -46,10 +47,15 @@ def export_model(names: dict[str, tuple[list[int], torch.dtype]], get: Callable[
     if os.path.exists(folder) and not overwrite:
         raise CheckpointError("the export folder exists: pass overwrite=True to replace it", path=folder)
     parent = os.path.dirname(folder)
-    tmp = os.path.join(parent, f".{os.path.basename(folder)}.tmp-h{host_name()}-p{os.getpid()}")
+    stem = f".{os.path.basename(folder)}.tmp-h{host_name()}-p"
+    tmp = os.path.join(parent, f"{stem}{os.getpid()}")
     try:
         os.makedirs(parent, exist_ok=True)
         _remove(tmp)
+        for name in os.listdir(parent):  # exports of this host's processes killed before they finished
+            pid = name[len(stem):]
+            if name.startswith(stem) and pid.isdigit() and not pid_alive(int(pid)):
+                _remove(os.path.join(parent, name))
         os.mkdir(tmp)
         sizes = {n: torch.empty(0, dtype=dt).element_size() * _numel(shape) for n, (shape, dt) in names.items()}
         groups = split_by_size({n: _Sized(sizes[n]) for n in names}, max_shard)  # type: ignore[arg-type]

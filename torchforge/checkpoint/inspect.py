@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from torchforge.checkpoint.checkpointer import _FORMAT, _STEP, MANIFEST, Checkpointer
+from torchforge.checkpoint.checkpointer import _FORMAT, _STEP, MANIFEST, STATE, Checkpointer
 from torchforge.checkpoint.state import alias_problem
 from torchforge.errors import CheckpointError, TorchforgeError
 
@@ -22,7 +22,13 @@ def _is_step(path: str) -> bool:
         with open(os.path.join(path, MANIFEST), "rb") as f:
             return json.loads(f.read()).get("format") == _FORMAT
     except (OSError, ValueError, AttributeError, RecursionError):
-        return os.path.isfile(os.path.join(path, MANIFEST))  # damaged: still a step, which verify reports
+        if os.path.isfile(os.path.join(path, MANIFEST)):  # damaged: still a step, which verify reports
+            return True
+    try:  # no manifest: a step still, by what a step holds (verify says the manifest is missing)
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return STATE in names or any(n.endswith(".safetensors.index.json") or n.startswith("rank-") for n in names)
 
 
 def is_checkpoint(path: str) -> bool:

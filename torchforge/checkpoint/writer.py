@@ -226,7 +226,10 @@ def write_files(folder: str, files: Sequence[FilePlan], pool: ThreadPoolExecutor
             fd = os.open(path, flags, 0o644)
         fds[name] = fd
         if size and not is_direct:  # (fallocate's unwritten extents slow O_DIRECT writes down)
-            _preallocate(fd, size)
+            try:
+                _preallocate(fd, size)
+            except OSError as e:  # (ftruncate's error names no file: EFBIG, ENOSPC)
+                raise OSError(e.errno, e.strerror, path) from None
         return fd, is_direct
 
     try:
