@@ -137,12 +137,15 @@ def check_offsets(off: np.ndarray, n: int, rows: int, column: str, path: str, at
 class SafetensorsDataset(ShardDataset):
     """Map-style dataset over a folder (or a single file) of safetensors column shards.
 
-    Samples are dicts of column name -> tensor view into the shard's mmap (no copy; the files are
-    never written: in-place changes to a sample copy the touched pages privately).
+    Samples are dicts of column name -> tensor: each row copied out of the shard's mmap, or with
+    ``zero_copy=True`` a view into it.
 
     Args:
         path: a folder of ``*.safetensors`` shards (taken in name order) or one shard file.
         columns: only these columns (default: all).
+        zero_copy: samples are views into the map (no copy). The files are never written, but an in-place
+            change to a sample (a transform's ``x.sub_(mean)``) stays in this process's map: the next read
+            of that row, the next epoch's, sees it changed. Off by default: a row's copy is one memcpy.
     """
 
     format_name = "safetensors"
@@ -158,7 +161,8 @@ class SafetensorsDataset(ShardDataset):
             return super().__new__(RemoteSafetensorsDataset)
         return super().__new__(cls)
 
-    def __init__(self, path: str | os.PathLike, *, columns: Iterable[str] | None = None):
+    def __init__(self, path: str | os.PathLike, *, columns: Iterable[str] | None = None, zero_copy: bool = False):
+        self.zero_copy = bool(zero_copy)
         self.path = local_path(os.fspath(path))
         if not os.path.exists(self.path):
             raise NotFoundError("no such file or folder", path=self.path)
@@ -169,7 +173,10 @@ class SafetensorsDataset(ShardDataset):
         self._ends: list[int] = []
         metas = []
         for f in self._files:
-            _, infos, meta = read_header(f)
+            try:
+                _, infos, meta = read_header(f)
+            except FileNotFoundError:  # listed, then gone (a link to nothing, a file removed meanwhile)
+                raise NotFoundError("a shard the folder lists cannot be opened (a link to nothing?)", path=f) from None
             self._add_shard(infos, meta, columns, f)
             metas.append(meta)
         if os.path.isdir(self.path):  # (one shard file of a dataset may be read on its own)
@@ -229,6 +236,12 @@ class SafetensorsDataset(ShardDataset):
         """Shard ``s``'s columns from its open file, checked, and kept."""
         path = f.path
         n = self._ends[s] - (self._ends[s - 1] if s else 0)
+        now, cols = _columns(f.infos, path)
+        changed = [c for c, ragged in self._cols[s].items()
+                   if cols.get(c) != ragged or f.infos[c].dtype != self._kinds[c]]
+        if now != n or changed:  # rewritten since its header was read: the old row counts would mix versions
+            raise FormatError(f"shard changed since the dataset was opened: it held {n} rows, now {now}"
+                              + (f" (columns {changed} differ)" if changed else ""), path=path)
         data, offsets = {}, {}
         for c, ragged in self._cols[s].items():
             data[c] = f[c]
@@ -245,7 +258,9 @@ class SafetensorsDataset(ShardDataset):
         out = {}
         for c, t in data.items():
             off = offsets.get(c)
-            out[c] = t[j] if off is None else t[int(off[j]): int(off[j + 1])]
+            row = t[j] if off is None else t[int(off[j]): int(off[j + 1])]
+            # (a copy by default: an in-place change to a view would stay in the map, seen by the next read)
+            out[c] = row if self.zero_copy else row.clone()
         return out
 
 

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import re
-import stat
 import uuid
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -36,6 +35,7 @@ import torch
 from torchforge._proc import host_name, pid_alive
 from torchforge.errors import CorruptShardError, FormatError, NotFoundError, TorchforgeError
 from torchforge.formats.safetensors import DTYPES, fsync_dir
+from torchforge.formats.safetensors import open_regular as _open_regular
 
 __all__ = [
     "FORMAT",
@@ -392,21 +392,9 @@ def _write_temp(folder: str, stem: str, doc: Any) -> str:
 
 
 def open_regular(path: str) -> BinaryIO:
-    """``path`` opened for reading, refusing what is not a regular file (opening a FIFO would block for ever).
-
-    Raises:
-        FileNotFoundError: as ``open()``.
-        CorruptShardError: a FIFO, a device or a folder.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CorruptShardError("not a regular file (a FIFO, a device or a folder) where the store keeps one",
-                                    path=path)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+    """``path`` opened for reading; a FIFO, device or folder is a CorruptShardError (see
+    :func:`torchforge.formats.safetensors.open_regular`)."""
+    return _open_regular(path, CorruptShardError)
 
 
 def _read_json(path: str) -> Any:

@@ -21,19 +21,20 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 import struct
 import sys
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
-from torchforge.errors import SafetensorsError
+from torchforge.errors import SafetensorsError, TorchforgeError
 
-__all__ = ["DTYPES", "SafetensorsFile", "TensorInfo", "load_safetensors", "read_header",
+__all__ = ["DTYPES", "SafetensorsFile", "TensorInfo", "load_safetensors", "open_regular", "read_header",
            "save_safetensors"]
 
 MAX_HEADER_SIZE = 100_000_000
@@ -314,10 +315,27 @@ def parse_header(head: bytes, file_size: int, path: str | None = None
     return n, tensors, metadata
 
 
+def open_regular(path: str, error: type[TorchforgeError] = SafetensorsError) -> BinaryIO:
+    """``path`` opened for reading, refusing what is not a regular file (opening a FIFO would block for ever).
+
+    Raises:
+        FileNotFoundError: as ``open()``.
+        ``error``: a FIFO, a device or a folder (naming the path).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise error("not a regular file (a FIFO, a device or a folder) where a file is expected", path=path)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_header(path: str | os.PathLike) -> tuple[int, dict[str, TensorInfo], dict[str, str] | None]:
     """Read and validate the header of a safetensors file without mapping its data (see parse_header)."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) == 8:
@@ -358,7 +376,7 @@ class SafetensorsFile(Mapping):
         if sys.byteorder != "little":
             raise SafetensorsError("safetensors data is little-endian; big-endian hosts are not supported",
                                    path=self.path)
-        with open(self.path, "rb") as f:
+        with open_regular(self.path) as f:
             size = os.fstat(f.fileno()).st_size
             if lazy:
                 self._buf: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
@@ -380,7 +398,8 @@ class SafetensorsFile(Mapping):
             dtype, shape = storage_shape(info, self.path)
             count = info.end - info.start
             if count == 0:
-                t = torch.empty(shape, dtype=dtype)
+                # a view, as the official reader makes: torch.empty's strides of [1, 0, 2**62, 2**62] overflow
+                t = torch.empty(0, dtype=dtype).view(shape)
             else:
                 t = torch.frombuffer(self._buf, dtype=torch.uint8, count=count,
                                      offset=self.data_start + info.start)

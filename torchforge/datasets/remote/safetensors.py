@@ -24,9 +24,8 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
     Opening lists the folder (an ``http(s)://`` one is probed for ``shard-00000.safetensors``, ...) and
     reads each shard's header with two small range reads (its columns and sample count), pinning every
     object's ETag; a shard is fetched whole into the node's cache on first use, held in use while mapped
-    and read as a local shard (zero-copy views into its map: a sample keeps its shard mapped while it
-    lives; with a ``cache_limit`` a sample's tensors are copies, so a batch drawn from many shards does
-    not keep them all). ``cache_limit``, ``cache_policy`` and prefetching work as for
+    and read as a local shard (a sample's tensors are copies, as a local dataset's by default, so a batch
+    drawn from many shards does not keep them mapped). ``cache_limit``, ``cache_policy`` and prefetching work as for
     :class:`RemoteMDSDataset`. With
     ``mode="ranges"`` no shard is fetched: a batch's rows are read by byte ranges, one coalesced read per
     shard it touches, into tensors of their own.
@@ -52,6 +51,7 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
                  cache_limit: int | str | None = None, mode: str = "shards", cache_policy: str = "belady",
                  storage_options: Mapping[str, Any] | None = None) -> None:
         self._remote_setup(url, None, cache_dir, cache_limit, mode, cache_policy, storage_options)
+        self.zero_copy = False  # (samples are copies, as a local dataset's by default: none keeps its shard)
         client = self._client()
         one = self._one_object(client, (".safetensors",))  # a URL naming one shard object: that shard alone
         listed = self._listing(client, (".safetensors",)) if one is None else one
@@ -98,8 +98,6 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
     def _get(self, i: int) -> Any:
         if self.mode == "ranges":
             return self._read([i])[0]
-        if self.cache_limit is not None:
-            return {c: t.clone() for c, t in super()._get(i).items()}
         return super()._get(i)
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
