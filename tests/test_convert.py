@@ -62,6 +62,10 @@ def test_infer_mds_columns_mixed_json_kinds_become_json():
     ([{"id": 1, "m": [{"x": np.zeros(2)}]}], "m[0].x"),
     ([{"id": 1, "k": b"x"}, {"id": 2, "k": "text"}], "'k' mixes kinds"),
     ([{"id": 1, "k": 1}, {"id": 2}], "same columns"),
+    # a bare TypeError (Got unsupported ScalarType BFloat16) naming nothing, before
+    ([{"id": 1, "emb": torch.ones(4)}, {"id": 2, "emb": torch.ones(4, dtype=torch.bfloat16)}],
+     "field 'emb' cannot be converted to MDS \\(sample 1\\): its torch.bfloat16 values have no numpy type"),
+    ([{"id": 1, "emb": torch.zeros(2, dtype=torch.float8_e4m3fn)}], "'emb' .*float8_e4m3fn"),
 ])
 def test_infer_mds_columns_refuses_naming_the_field(rows, field):
     with pytest.raises(FormatError, match=field.replace("[", r"\[").replace("]", r"\]")):

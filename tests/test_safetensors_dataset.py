@@ -352,3 +352,14 @@ def test_an_empty_column_of_enormous_dimensions_reads_as_the_official_reader_rea
     want = st.load_file(str(path))["x"]
     ds = SafetensorsDataset(tmp_path / "ds")
     assert len(ds) == 1 and ds[0]["x"].shape == want.shape[1:]
+
+
+def test_a_column_of_single_f4_values_is_refused_as_rows_cannot_split_a_byte(tmp_path):
+    """A 1-D F4 column (the official writer's float4_e2m1fn_x2 packs two values a byte) said len 8 of 16
+    values, and ds[4] was an IndexError."""
+    from torchforge.errors import FormatError
+
+    (tmp_path / "ds").mkdir()
+    st.save_file({"x": torch.zeros(8, dtype=torch.float4_e2m1fn_x2)}, str(tmp_path / "ds" / "shard-00000.safetensors"))
+    with pytest.raises(FormatError, match="F4 column 'x' of shape \\[16\\] has no rows of whole bytes"):
+        SafetensorsDataset(tmp_path / "ds")

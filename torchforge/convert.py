@@ -205,7 +205,12 @@ def infer_mds_columns(samples: Iterable[Any]) -> dict[str, str]:
             raise FormatError(f"sample {i} has fields {sorted(s)} but sample 0 has {sorted(names)}: every MDS "
                               "sample needs the same columns")
         for k, v in s.items():
-            kind = _kind(v)
+            try:
+                kind = _kind(v)
+            except TypeError as e:  # a tensor numpy has no type for (bfloat16, float8): no MDS encoding holds it
+                what = getattr(v, "dtype", type(v).__name__)
+                raise FormatError(f"field {k!r} cannot be converted to MDS (sample {i}): its {what} values have "
+                                  f"no numpy type ({e}); cast the column (to float32, say) first") from None
             if kind == ("json",):
                 p = _json_problem(v, k)
                 if p:

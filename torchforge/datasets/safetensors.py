@@ -78,6 +78,9 @@ def _columns(infos: Mapping[str, TensorInfo], path: str) -> tuple[int, dict[str,
             if not info.shape:
                 raise CorruptShardError(f"column {name!r} is 0-dim; expected shape [n, ...]", path=path)
             rows = info.shape[0]
+        if info.dtype == "F4" and (len(info.shape) < 2 or info.shape[-1] % 2):  # two values share a byte
+            raise FormatError(f"F4 column {name!r} of shape {list(info.shape)} has no rows of whole bytes: a row "
+                              "of F4 values needs an even number of them (shape [n, ..., 2k])", path=path)
         if DTYPES.get(info.dtype, (0, None))[1] is None:  # F6 (float8 on an old torch): no torch type
             raise FormatError(f"column {name!r} is {info.dtype}, which this torch has no type for: its rows "
                               "cannot be read as tensors", path=path)
