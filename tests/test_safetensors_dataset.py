@@ -363,3 +363,16 @@ def test_a_column_of_single_f4_values_is_refused_as_rows_cannot_split_a_byte(tmp
     st.save_file({"x": torch.zeros(8, dtype=torch.float4_e2m1fn_x2)}, str(tmp_path / "ds" / "shard-00000.safetensors"))
     with pytest.raises(FormatError, match="F4 column 'x' of shape \\[16\\] has no rows of whole bytes"):
         SafetensorsDataset(tmp_path / "ds")
+
+
+def test_a_shard_never_passes_max_shard_size_when_a_sample_fits_in_the_next(tmp_path):
+    """A shard was completed only after its data had passed the limit: 40-byte samples under a 100-byte
+    limit made shards of 120 bytes."""
+    from torchforge.formats.safetensors import read_header
+
+    with SafetensorsShardWriter(tmp_path / "ds", max_shard_size=100) as w:
+        for _ in range(9):
+            w.write({"x": torch.zeros(10, dtype=torch.float32)})
+        w.write({"x": torch.zeros(30, dtype=torch.float32)})  # alone larger than the limit: a shard of its own
+    sizes = [sum(i.end - i.start for i in read_header(f)[1].values()) for f in w.files]
+    assert sizes == [80, 80, 80, 80, 40, 120] and len(SafetensorsDataset(tmp_path / "ds")) == 10

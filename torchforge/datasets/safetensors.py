@@ -332,9 +332,12 @@ class SafetensorsShardWriter:
         elif schema != self._schema:
             raise FormatError(f"sample {self.samples} has columns/dtypes {schema}, earlier samples "
                               f"{self._schema}", path=self.out)
+        nbytes = sum(t.numel() * t.element_size() for t in row.values())
+        if self._rows and self._bytes + nbytes > self.max_bytes:  # it would pass the limit: it starts the next
+            self._flush()
         self._rows.append(row)
         self.samples += 1
-        self._bytes += sum(t.numel() * t.element_size() for t in row.values())
+        self._bytes += nbytes
         full = self.samples_per_shard is not None and len(self._rows) >= self.samples_per_shard
         self._full = self._bytes >= self.max_bytes or full
 
