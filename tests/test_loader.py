@@ -412,3 +412,72 @@ def test_a_forked_childs_collector_never_shuts_down_the_parents_workers():
                           check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
     assert "exited unexpectedly" not in proc.stderr and "can only join" not in proc.stderr, proc.stderr[-2000:]
+
+
+class _Counted(torch.utils.data.Dataset):
+    """Eight samples, with a folder where each worker's worker_init_fn leaves a file."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _mark_start(folder: str, wid: int) -> None:
+    open(os.path.join(folder, f"{wid}-{os.getpid()}"), "w").close()
+
+
+_MAIN_KILLED = """
+import os, sys, time
+import functools
+sys.path.insert(0, sys.argv[2])
+from test_loader import _Counted, _DataLoader, _mark_start
+dl = _DataLoader(_Counted(sys.argv[1]), batch_size=1, num_workers=2, multiprocessing_context="forkserver",
+                persistent_workers=True, worker_init_fn=functools.partial(_mark_start, sys.argv[1]))
+it = iter(dl)
+next(it)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_forkserver_workers_idle_past_half_a_second_live_on_and_exit_with_the_main_process(tmp_path):
+    """A forkserver worker's parent is the fork server, not the loader's process: the idle check took that
+    for the loader's death, so every worker idle for 0.5 s (a long step, the gap between epochs) exited, and
+    was restarted as dead (worker_init_fn again, persistent state lost; with max_retries=0 a WorkerError)."""
+    import functools
+    import subprocess
+    import sys
+
+    dl = _DataLoader(_Counted(str(tmp_path)), batch_size=1, num_workers=2, multiprocessing_context="forkserver",
+                     persistent_workers=True, max_retries=0,
+                     worker_init_fn=functools.partial(_mark_start, str(tmp_path)))
+    for _ in range(2):
+        got = []
+        for b in dl:
+            got.append(int(b))
+            time.sleep(0.3 if len(got) < 7 else 0.8)  # workers idle past half a second
+        assert got == list(range(8))
+    assert len(os.listdir(tmp_path)) == 2  # two workers started, once: none taken for dead
+    dl.close()
+    # the loader's process killed: its forkserver workers do not outlive it
+    marks = tmp_path / "killed"
+    marks.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _MAIN_KILLED, str(marks), os.path.dirname(__file__)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 30
+    while len(os.listdir(marks)) < 2 and time.monotonic() < deadline:  # (the second may still be starting)
+        time.sleep(0.1)
+    pids = [int(n.split("-")[1]) for n in os.listdir(marks)]
+    assert len(pids) == 2
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids)

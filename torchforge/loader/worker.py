@@ -34,6 +34,7 @@ from torch.utils.data import IterDataPipe, MapDataPipe
 from torch.utils.data._utils import signal_handling
 from torch.utils.data.graph_settings import apply_random_seed, apply_sharding
 
+from torchforge._proc import pid_alive
 from torchforge.errors import TorchforgeError
 from torchforge.loader import collate
 from torchforge.loader.fetch import SKIPPED, Source
@@ -82,6 +83,9 @@ def _seed_datapipe(dataset: Any, shared_seed: int | None) -> None:
 
 
 def _worker_main(wid: int, conn: Any, spec: WorkerSpec, parent: int) -> None:
+    # the process this one was forked from: the loader's (fork, spawn) or forkserver's server, which exits
+    # with the loader's process; either way the worker is reparented when the loader's process is gone
+    forked_from = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal_handling._set_worker_signal_handlers()
     torch.multiprocessing._set_thread_name("pt_data_worker")
@@ -116,7 +120,7 @@ def _worker_main(wid: int, conn: Any, spec: WorkerSpec, parent: int) -> None:
     try:
         while True:
             while not conn.poll(0.5):
-                if os.getppid() != parent:
+                if os.getppid() != forked_from or not pid_alive(parent):
                     return
             msg = conn.recv()
             if msg is None:
