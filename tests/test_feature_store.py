@@ -1253,10 +1253,18 @@ def _prune_while(path, stop):
         store.prune(keep=1)
 
 
+def _open_while(path, stop):
+    while not stop.is_set():  # a new handle opens the newest version, which a prune may remove meanwhile
+        store = FeatureStore(path)
+        if len(store):
+            store.get(store.ids()[:1])
+
+
 def test_commits_concurrent_with_prune_are_never_lost(tmp_path):
     """A commit whose parent version is pruned between its read and its claim redoes its index on the newest
-    version (it raised a CorruptShardError for the vanished index): 3 writers x 15 commits against a process
-    pruning to one version all the time lose no row."""
+    version (it raised a CorruptShardError for the vanished index), and a handle opening the newest version
+    while a prune removes it opens the newer one: 3 writers x 15 commits and a process opening handles,
+    against a process pruning to one version all the time, lose no row and raise nothing."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
@@ -1265,6 +1273,8 @@ def test_commits_concurrent_with_prune_are_never_lost(tmp_path):
     stop = ctx.Event()
     pruner = ctx.Process(target=_prune_while, args=(path, stop))
     pruner.start()
+    opener = ctx.Process(target=_open_while, args=(path, stop))
+    opener.start()
     writers = [ctx.Process(target=_commit_many, args=(path, r, 15)) for r in range(3)]
     for p in writers:
         p.start()
@@ -1272,7 +1282,8 @@ def test_commits_concurrent_with_prune_are_never_lost(tmp_path):
         p.join(240)
     stop.set()
     pruner.join(60)
-    assert [p.exitcode for p in writers] == [0, 0, 0] and pruner.exitcode == 0
+    opener.join(60)
+    assert [p.exitcode for p in writers] == [0, 0, 0] and pruner.exitcode == 0 and opener.exitcode == 0
     store = FeatureStore(path)
     ids = np.concatenate([np.arange(r * 1000, r * 1000 + 150) for r in range(3)])
     assert store.version == 45 and len(store) == 450

@@ -96,9 +96,15 @@ class FeatureStore:
         self._open(version)
 
     def _open(self, version: int | None) -> None:
-        if version is None:
-            versions = list_versions(self.path)
-            version = versions[-1] if versions else 0
+        if version is None:  # the newest: if a prune removes it while it opens, a newer one exists; open that
+            while True:
+                versions = list_versions(self.path)
+                newest = versions[-1] if versions else 0
+                try:
+                    return self._open(newest)
+                except TorchforgeError:
+                    if list_versions(self.path)[-1:] == versions[-1:]:
+                        raise
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
             raise ValueError(f"version={version!r} must be an int >= 0")
         manifest = read_manifest(self.path, int(version)) if version else None
