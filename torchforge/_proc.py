@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 
-__all__ = ["host_name", "pid_alive"]
+__all__ = ["drop_dead_stages", "host_name", "pid_alive"]
 
 
 def host_name() -> str:
@@ -38,3 +39,18 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except (OSError, IndexError):
         return True
+
+
+def drop_dead_stages(folder: str, pattern: str) -> None:
+    """Remove the entries of ``folder`` whose whole name matches ``pattern`` and whose process, the
+    pattern's first group (a pid of this host), is gone: what writers killed midway left (their ``finally``
+    never ran)."""
+    own = re.compile(pattern)
+    for name in os.listdir(folder):
+        m = own.fullmatch(name)
+        if m and not pid_alive(int(m.group(1))):
+            path = os.path.join(folder, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)

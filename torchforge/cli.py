@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchforge._inspect import format_checks, format_details
-from torchforge._proc import host_name
-from torchforge.convert import _materialize, drop_dead_stages
+from torchforge._proc import drop_dead_stages, host_name
+from torchforge.convert import _materialize
 from torchforge.errors import NotFoundError, TorchforgeError
 from torchforge.remote.url import is_remote, local_path
 

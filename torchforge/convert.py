@@ -19,7 +19,7 @@ from typing import Any, Self
 import numpy as np
 import orjson
 
-from torchforge._proc import host_name, pid_alive
+from torchforge._proc import drop_dead_stages, host_name
 from torchforge.errors import FormatError, TorchforgeError
 from torchforge.formats.values import BYTES_LIKE
 
@@ -448,20 +448,6 @@ def _drop_stale_staging(base: str) -> None:
     """Remove the staging folders of converts on this host whose process is gone (killed mid-upload: its
     ``finally`` never ran). Another host's, on a shared cache folder, are left alone."""
     drop_dead_stages(base, rf"convert-h{re.escape(host_name())}-p(\d+)-.+")
-
-
-def drop_dead_stages(folder: str, pattern: str) -> None:
-    """Remove the entries of ``folder`` whose whole name matches ``pattern`` and whose process, the
-    pattern's first group (a pid of this host), is gone."""
-    own = re.compile(pattern)
-    for name in os.listdir(folder):
-        m = own.fullmatch(name)
-        if m and not pid_alive(int(m.group(1))):
-            path = os.path.join(folder, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.remove(path)
 
 
 def _upload_progress(total: int, dst: str):

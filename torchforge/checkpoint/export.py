@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from torchforge._proc import pid_alive
+from torchforge._proc import drop_dead_stages
 from torchforge.checkpoint.writer import FilePlan, file_plan, split_by_size, write_files
 from torchforge.errors import CheckpointError
 from torchforge.formats.safetensors import fsync_dir
@@ -52,10 +53,7 @@ def export_model(names: dict[str, tuple[list[int], torch.dtype]], get: Callable[
     try:
         os.makedirs(parent, exist_ok=True)
         _remove(tmp)
-        for name in os.listdir(parent):  # exports of this host's processes killed before they finished
-            pid = name[len(stem):]
-            if name.startswith(stem) and pid.isdigit() and not pid_alive(int(pid)):
-                _remove(os.path.join(parent, name))
+        drop_dead_stages(parent, rf"{re.escape(stem)}(\d+)")  # exports of this host's processes killed midway
         os.mkdir(tmp)
         sizes = {n: torch.empty(0, dtype=dt).element_size() * _numel(shape) for n, (shape, dt) in names.items()}
         groups = split_by_size({n: _Sized(sizes[n]) for n in names}, max_shard)  # type: ignore[arg-type]
