@@ -326,17 +326,21 @@ def _note_unhashed(ds: Any, notes: list[str] | None) -> None:
 
 def _verify_remote(url: str, remote: dict[str, Any], notes: list[str] | None = None) -> tuple[int, list[str]]:
     from torchforge.datasets.base import open_dataset
-    from torchforge.remote.errors import CacheFullError, RemoteCorruptError, RemoteError, RemoteNotFoundError
+    from torchforge.remote.errors import RemoteCorruptError, RemoteError, RemoteNotFoundError
 
     if remote.get("mode", "shards") != "shards":
         raise ValueError("verify reads whole shards to check their hashes: mode must be 'shards'")
+    def damage(e: TorchforgeError, missing: bool) -> bool:
+        """Whether ``e`` says the data is damaged (or, with ``missing``, a shard is missing from it), not
+        that the cache, the credentials or the server failed (the command's error, raised)."""
+        return not isinstance(e, RemoteError) or isinstance(e, RemoteCorruptError) or (
+            missing and isinstance(e, RemoteNotFoundError))
+
     try:
         ds = open_dataset(url, **{**remote, "mode": "shards"})
-    except RemoteCorruptError as e:
-        return 0, [str(e)]
-    except RemoteError:
-        raise  # not damage: no dataset at the URL, credentials, the server (said as the command's error)
     except TorchforgeError as e:
+        if not damage(e, missing=False):  # (no dataset at the URL is not damage either)
+            raise
         return 0, [str(e)]
     _note_unhashed(ds, notes)
     problems: list[str] = []
@@ -345,13 +349,9 @@ def _verify_remote(url: str, remote: dict[str, Any], notes: list[str] | None = N
         end = ds._first[k + 1]
         try:
             ds._shard(k)  # fetched whole: size (and the hashes index.json records) checked
-        except (RemoteCorruptError, RemoteNotFoundError) as e:  # damaged, or missing from the dataset
-            problems.append(str(e))
-            first = end
-            continue
-        except (CacheFullError, RemoteError):
-            raise  # not damage: the cache cannot hold the shard, credentials, the server (the command's error)
         except TorchforgeError as e:
+            if not damage(e, missing=True):
+                raise
             problems.append(str(e))
             first = end
             continue

@@ -1,6 +1,7 @@
 """An MDS dataset at a URL: :class:`RemoteMDSDataset` (see :mod:`torchforge.datasets.remote`)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import logging
@@ -89,7 +90,7 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
             if whole:
                 raise ValueError(f"mode='ranges' needs shards that are not compressed as a whole; {whole[0]!r} "
                                  "is: use mode='shards'")
-            hashed = self._hashed()
+            hashed = self._hashed
             if hashed:
                 warnings.warn(f"{index_url} records {'/'.join(hashed)} hashes of whole shards, which reads by "
                               "byte ranges cannot check: mode='ranges' serves samples unverified (mode='shards' "
@@ -253,10 +254,12 @@ class RemoteMDSDataset(_RemoteShards, MDSDataset):
     def _ranges_ok(self) -> bool:
         # a shard compressed as a whole has no sample ranges; hashes of whole shards cannot check a range, and
         # mode="shards" serves a shard with hashes only once they check out
-        return not any(m.zip_basename for m in self.metas) and not self._hashed()
+        return not any(m.zip_basename for m in self.metas) and not self._hashed
 
+    @functools.cached_property
     def _hashed(self) -> list[str]:
-        """The hash algorithms index.json records for the shards' stored files (none: [])."""
+        """The hash algorithms index.json records for the shards' stored files (none: []); found once (asked
+        per batch while a cache limit's switch to ranges is judged)."""
         found: set[str] = set()
         for k in range(len(self.metas)):
             hashes = self._objects(k)[0][3]
