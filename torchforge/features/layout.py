@@ -46,6 +46,7 @@ __all__ = [
     "check_cast",
     "claim_version",
     "column_order",
+    "column_spans",
     "list_versions",
     "live_versions",
     "open_regular",
@@ -443,6 +444,17 @@ def column_order(schema: Schema) -> tuple[str | None, list[str]]:
     wide = [c for c, col in schema.items() if col.row_bytes >= _STREAM_MIN and col.row_bytes % align == 0]
     stream = max(wide, key=lambda c: schema[c].row_bytes) if wide else None
     return stream, sorted((c for c in widths if c != stream), key=lambda c: (-widths[c], c))
+
+
+def column_spans(schema: Schema, rows: int) -> dict[str, tuple[int, int]]:
+    """Where each tensor of a shard of ``rows`` rows lies in its data (``"id"`` included), in the order of
+    :func:`column_order`: what the writer's header says and the reader checks."""
+    stream, rest = column_order(schema)
+    spans, pos = {}, 0
+    for name in ([stream] if stream else []) + rest:
+        end = pos + rows * (8 if name == "id" else schema[name].row_bytes)
+        spans[name], pos = (pos, end), end
+    return spans
 
 
 def prune_versions(root: str, keep: int) -> list[int]:

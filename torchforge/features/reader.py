@@ -42,7 +42,7 @@ import torch
 from torchforge._vmem import HUGE_PAGE, map_at, reserve, round_up, unmap_with
 from torchforge.errors import CorruptShardError, TorchforgeError
 from torchforge.features.index import IdIndex
-from torchforge.features.layout import Manifest, Schema, ShardEntry, check_cast, column_order, open_regular
+from torchforge.features.layout import Manifest, Schema, ShardEntry, check_cast, column_spans, open_regular
 from torchforge.formats.safetensors import parse_header
 from torchforge.loader import collate
 
@@ -103,19 +103,16 @@ class _Shard:
         want = {"id": ("I64", (entry.rows,), 8)}
         want.update({c: (col.code, (entry.rows, *col.shape), col.row_bytes) for c, col in schema.items()})
         self.cols: dict[str, np.ndarray | None] = {}
-        stream, rest = column_order(schema)
-        starts, pos = {}, 0
-        for name in ([stream] if stream else []) + rest:  # the writer's layout: a header that moves a column lies
-            starts[name] = pos
-            pos += entry.rows * want[name][2]
+        spans = column_spans(schema, entry.rows)  # the writer's layout: a header that moves a column lies
         for name, (code, shape, width) in want.items():
             info = infos.get(name)
             if info is None or info.dtype != code or info.shape != shape:
                 raise CorruptShardError(f"tensor {name!r} should be {code} {list(shape)} (manifest rows and "
                                         f"schema), the shard has {info}", path=path, offset=8)
-            if info.start != starts[name]:
+            if info.start != spans[name][0]:
                 raise CorruptShardError(f"tensor {name!r} starts at byte {info.start} of the data, where the "
-                                        f"store's layout has byte {starts[name]}", path=path, offset=8 + n + info.start)
+                                        f"store's layout has byte {spans[name][0]}", path=path,
+                                        offset=8 + n + info.start)
             at = self.offsets[name] = 8 + n + info.start
             count = info.end - info.start
             self.cols[name] = _items(buf[at:at + count].reshape(entry.rows, width), width) if count else None

@@ -58,6 +58,7 @@ from torchforge.features.layout import (
     claim_version,
     clean_leftovers,
     column_order,
+    column_spans,
     list_versions,
     read_manifest,
     schema_to_json,
@@ -223,12 +224,9 @@ class FeatureWriter:
     def _header(self, rows: int) -> bytes:
         """The header JSON of a shard of ``rows`` rows (unpadded)."""
         head: dict[str, Any] = {"__metadata__": self._meta}
-        pos = 0
-        for name in ([self._stream] if self._stream else []) + self._order:
-            code, shape, width = ("I64", (), 8) if name == "id" else (
-                self.schema[name].code, self.schema[name].shape, self.schema[name].row_bytes)
-            head[name] = {"dtype": code, "shape": [rows, *shape], "data_offsets": [pos, pos + rows * width]}
-            pos += rows * width
+        for name, (start, end) in column_spans(self.schema, rows).items():
+            code, shape = ("I64", ()) if name == "id" else (self.schema[name].code, self.schema[name].shape)
+            head[name] = {"dtype": code, "shape": [rows, *shape], "data_offsets": [start, end]}
         return json.dumps(head, separators=(",", ":")).encode()
 
     # --- writing -----------------------------------------------------------------------------------
