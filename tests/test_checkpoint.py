@@ -1604,9 +1604,9 @@ def test_a_save_never_prunes_a_step_another_job_committed_after_it(tmp_path):
     a.save(5, model=m)
     prune = a._prune
 
-    def interleaved(step, recycle=False):
+    def interleaved(step, key, recycle=False):
         b.save(11, model=m)  # the other job commits (and prunes) between A's commit and A's prune
-        return prune(step, recycle)
+        return prune(step, key, recycle)
 
     a._prune = interleaved
     a.save(10, model=m)

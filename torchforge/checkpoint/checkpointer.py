@@ -135,7 +135,6 @@ class Checkpointer:
         self.recycle = bool(recycle)
         self._read_only = read_only
         self._spare_dir: str | None = None  # the hidden folder of a pruned step whose files the next save reuses
-        self._committing: tuple[int, tuple[int, int]] | None = None  # (step, its commit key) of the last save
         self.timeout = float(timeout)
         self._closed = False
         self.last_restore: dict[str, int] = {}  # bytes read and needed by the last distributed restore
@@ -355,12 +354,12 @@ class Checkpointer:
         try:
             os.mkdir(tmp)
             crash_point("tmp-created")
-            seq = self._next_seq()
+            seq, key = self._next_seq(), (0, 0)
 
             def manifest(entries: dict[str, Any]) -> FilePlan:
-                t = time.time_ns()
-                self._committing = (step, (seq, t))  # (what _prune knows of it without reading it back)
-                m = {"format": _FORMAT, "version": 1, "step": step, "committed": t, "seq": seq,
+                nonlocal key
+                key = (seq, time.time_ns())  # (what _prune knows of the step without reading it back)
+                m = {"format": _FORMAT, "version": 1, "step": step, "committed": key[1], "seq": seq,
                      "checksum": "blake2b128-of-4KiB-page-sum64, 64MiB blocks", "files": entries}
                 return FilePlan.of_bytes(MANIFEST, json.dumps(m, indent=1).encode() + b"\n")
 
@@ -387,7 +386,7 @@ class Checkpointer:
                 failed = after_commit(f"step {step} was committed, but its export failed: {e}",
                                       getattr(e, "path", None) or str(export_to), e)
         try:
-            self._prune(step, recycle=self.recycle and self.direct_io)
+            self._prune(step, key, recycle=self.recycle and self.direct_io)
         except CheckpointError as e:
             if failed is not None:
                 e.__context__ = failed  # (shown with the traceback: both failures)
@@ -451,21 +450,20 @@ class Checkpointer:
             raise after_commit(f"{os.path.basename(final)} is in place, but the checkpoint folder could not be "
                                f"fsynced ({e}): it may not survive a crash; save it again", self.root, e) from e
 
-    def _prune(self, step: int, recycle: bool = False) -> None:
+    def _prune(self, step: int, key: tuple[int, int], recycle: bool = False) -> None:
         """Delete all but the ``keep_last`` most recently committed steps (by commit, not step number: a
         run rolled back to an earlier step keeps its new saves), before the save returns; with
         ``recycle`` the first one's files are kept hidden for the next save to write over. Never
-        ``step``, the one just committed, nor a step whose manifest cannot be read now (kept, not counted,
-        a warning logged) rather than making it look oldest."""
+        ``step``, the one just committed (``key``: its ``(seq, commit time)`` as its manifest says), nor a
+        step committed after it, nor a step whose manifest cannot be read now (kept, not counted, a warning
+        logged) rather than making it look oldest."""
         if not self.keep_last:
             return
         try:
             others = [s for s in self.steps() if s != step]
             if len(others) < self.keep_last:
                 return
-            # the step just committed: its seq and time as written (its manifest may not be readable now)
-            own = self._committing[1] if self._committing and self._committing[0] == step else self._commit_key(step)
-            keys = {step: own}
+            keys = {step: key}  # (as written: its manifest may not be readable now)
             for s in others:
                 try:
                     keys[s] = self._commit_key(s, strict=True)

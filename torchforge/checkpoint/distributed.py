@@ -756,10 +756,9 @@ def _commit(ck: Any, step: int, tmp: str, final: str, world: int) -> None:
             cs.sort(key=lambda c: c["offsets"])
             table[name] = {"shape": _global_shape(cs), "dtype": cs[0]["dtype"],
                            "chunks": [{k: c[k] for k in ("file", "key", "offsets", "sizes", "range")} for c in cs]}
-        seq, t = ck._next_seq(), time.time_ns()
-        ck._committing = (step, (seq, t))
-        manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world, "committed": t,
-                    "seq": seq,
+        key = (ck._next_seq(), time.time_ns())  # (seq, commit time): what _prune knows of this step
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world, "committed": key[1],
+                    "seq": key[0],
                     "checksum": "blake2b128-of-4KiB-page-sum64, 64MiB blocks", "files": files,
                     "tensors": table, "spec": spec}
         for r in range(world):  # liveness records of the save, not part of the step
@@ -782,7 +781,7 @@ def _commit(ck: Any, step: int, tmp: str, final: str, world: int) -> None:
             raise CheckpointError(f"rank 0: committing step {step} failed, nothing was committed: {e}",
                                   path=getattr(e, "filename", None) or tmp) from e
         raise
-    ck._prune(step)
+    ck._prune(step, key)
 
 
 def _global_shape(chunks: list[dict[str, Any]]) -> list[int]:
@@ -1056,8 +1055,7 @@ def _restore_optimizer(reader: _Reader, model: Any, optimizer: Any, spec: Any, w
             return t
         return reader.whole(name, p.device if p is not None and not _is_dtensor(p) else "cpu")
 
-    _check_groups(spec, optimizer, where)
-    set_optimizer_state_dict(model, optimizer, decode(spec, like))
+    set_optimizer_state_dict(model, optimizer, decode(spec, like))  # (groups checked by restore_distributed)
 
 
 def _check_groups(spec: Any, optimizer: Any, where: str) -> None:
@@ -1101,9 +1099,10 @@ def _rank_info(folder: str, manifest: dict[str, Any], r: int) -> dict[str, Any]:
 
 def _loader_state(folder: str, manifest: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     saved_world = _saved_world(folder, manifest)
-    states = []
+    infos, states = [], []
     for r in range(saved_world):
-        s = _rank_info(folder, manifest, r).get("loader")
+        infos.append(_rank_info(folder, manifest, r))
+        s = infos[r].get("loader")
         if s is not None and not (isinstance(s, dict) and isinstance(s.get("workers", []), list)
                                   and all(isinstance(w, dict) for w in s.get("workers", []))):
             raise CheckpointError(f"rank {r}'s DataLoader state {s!r:.80} is not a loader's state_dict()",
@@ -1112,7 +1111,7 @@ def _loader_state(folder: str, manifest: dict[str, Any], rank: int, world: int) 
     if any(s is None for s in states):
         raise CheckpointError("the step holds no DataLoader state (save with loader=)", path=folder)
     if saved_world == world:
-        return _decoded(folder, manifest, rank, states[rank], "DataLoader state")
+        return _decoded(folder, manifest, rank, infos[rank], states[rank], "DataLoader state")
     problems = []
     for r, s in enumerate(states):
         sampler = s.get("sampler")
@@ -1130,7 +1129,7 @@ def _loader_state(folder: str, manifest: dict[str, Any], rank: int, world: int) 
     if problems:
         raise CheckpointError(f"the DataLoader state saved at world size {saved_world} cannot be remapped to "
                               f"world size {world}: {'; '.join(problems)}", path=folder)
-    return _decoded(folder, manifest, 0, states[0], "DataLoader state")
+    return _decoded(folder, manifest, 0, infos[0], states[0], "DataLoader state")
 
 
 def rank_state(folder: str, manifest: dict[str, Any], rank: int, world: int, map_location: Any) -> Any:
@@ -1145,14 +1144,14 @@ def rank_state(folder: str, manifest: dict[str, Any], rank: int, world: int, map
         raise CheckpointError(f"per-rank state was saved by {saved_world} ranks and cannot be given to rank "
                               f"{rank} of {world}: it is not remappable (restore at world size {saved_world}, or "
                               "rebuild it)", path=folder)
-    return _decoded(folder, manifest, rank, _rank_info(folder, manifest, rank).get("state"), "state",
-                    map_location)
-
-
-def _decoded(folder: str, manifest: dict[str, Any], rank: int, spec: Any, what: str,
-             map_location: Any = "cpu") -> Any:
-    """``spec`` (rank ``rank``'s encoded ``what``) decoded, its tensors read from the files the rank wrote."""
     info = _rank_info(folder, manifest, rank)
+    return _decoded(folder, manifest, rank, info, info.get("state"), "state", map_location)
+
+
+def _decoded(folder: str, manifest: dict[str, Any], rank: int, info: dict[str, Any], spec: Any, what: str,
+             map_location: Any = "cpu") -> Any:
+    """``spec`` (rank ``rank``'s encoded ``what``, from its rank file ``info``) decoded, its tensors read from
+    the files the rank wrote."""
     where = os.path.join(folder, f"rank-{rank:05d}.json")
     files = {}
 
