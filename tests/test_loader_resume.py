@@ -702,3 +702,22 @@ def test_a_state_the_sampler_cannot_load_is_refused_when_loaded_and_by_a_restore
         with pytest.raises(CheckpointError, match="DataLoader state does not fit this loader"):
             Checkpointer(tmp_path).restore(model=fresh, loader=other)
         assert torch.equal(fresh.weight, weight)  # all or nothing
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_len_of_a_resumed_loader_is_the_epochs(workers):
+    """len(sampler) and len(loader) stay the epoch's after a mid-epoch resume (torch's samplers' meaning);
+    the resumed pass yields the rest, and the next pass the whole epoch."""
+    ds = list(range(50))
+    first = DataLoader(ds, 4, sampler=GlobalSampler(ds, seed=2), num_workers=workers)
+    it = iter(first)
+    got = [next(it).tolist() for _ in range(5)]
+    state = first.state_dict()
+    del it
+    resumed = DataLoader(ds, 4, sampler=GlobalSampler(ds, seed=2), num_workers=workers)
+    resumed.load_state_dict(state)
+    assert len(resumed) == len(first) == 13 and len(resumed.sampler) == 50
+    rest = [b.tolist() for b in resumed]
+    assert len(got) + len(rest) == 13 and sorted(x for b in got + rest for x in b) == ds
+    assert resumed.sampler.pass_length() == 30  # the resumed pass: what was left of the epoch
+    assert len([b for b in resumed]) == 13

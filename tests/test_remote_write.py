@@ -745,3 +745,23 @@ def test_cli_errors_on_urls_are_one_line(env, tmp_path, capsys):
         assert main([*argv, *so] if argv[1] != "s3://" else argv) == 1, argv
         err = capsys.readouterr()
         assert says in err.err and "Traceback" not in err.err and "DAMAGED" not in err.out, (argv, err)
+
+
+def test_a_destination_containing_its_source_is_refused_however_the_urls_are_spelled(env, tmp_path, capsys):
+    """convert --overwrite to a folder URL that holds the source deleted the source: the CLI compared the
+    raw strings (s3a:// passed), and convert() did not check at all."""
+    src = f"s3://{BUCKET}/nest/x/sub"
+    convert(_write_mds(tmp_path / "a", n=5), src, to="mds", cache_dir=env.cache, storage_options=env.opts)
+    before = env.keys("nest/x/sub")
+    for s, d in ((src, f"s3://{BUCKET}/nest/x"), (f"s3a://{BUCKET}/nest/x/sub/", f"S3://{BUCKET}//nest/x/")):
+        with pytest.raises(torchforge.TorchforgeError, match="contains SRC"):
+            convert(s, d, to="jinx", cache_dir=env.cache, storage_options=env.opts, overwrite=True)
+        assert main(["convert", s, d, "--to", "jinx", "-q", "--overwrite", "--cache-dir", env.cache]) == 2
+        assert "contains SRC" in capsys.readouterr().err
+    assert env.keys("nest/x/sub") == before
+
+
+def test_a_read_only_destination_is_named_as_given(env, tmp_path):
+    with pytest.raises(RemoteReadOnlyError) as e:
+        convert(_write_mds(tmp_path / "a", n=3), "http://127.0.0.1:9/bkt/x", to="mds", cache_dir=env.cache)
+    assert e.value.url == "http://127.0.0.1:9/bkt/x" and "/_" not in str(e.value)

@@ -270,7 +270,7 @@ def test_state_counts_what_the_iterator_yielded():
     r = GlobalSampler(200_000, seed=1, rank=1, world_size=2)
     r.load_state_dict(st_)
     r.set_epoch(0)  # the loop's set_epoch of the same epoch keeps the resume point
-    assert len(r) == 100_000 - 70_001
+    assert r.pass_length() == 100_000 - 70_001 and len(r) == 100_000  # len: the epoch's, as torch's samplers
     assert list(r) == rest
     assert first + rest == list(GlobalSampler(200_000, seed=1, rank=1, world_size=2))
 
@@ -295,13 +295,23 @@ def test_passes_restart_and_new_epochs_reset():
 def test_state_at_end_of_epoch_resumes_to_nothing():
     s = GlobalSampler(11, world_size=2, rank=0)
     list(s)
-    end = s.state_dict()
+    end = s.state_at(len(s))  # every index yielded, the pass's end not seen by its consumer
     assert end["position"] == 11
     t = GlobalSampler(11, world_size=3, rank=2)
     t.load_state_dict(end)
-    assert len(t) == 0 and list(t) == []
+    assert t.pass_length() == 0 and list(t) == [] and len(t) == 4
     t.set_epoch(1)
-    assert len(t) == 4
+    assert t.pass_length() == 4
+
+
+def test_state_dict_after_a_whole_pass_resumes_as_the_sampler_goes_on():
+    """state_dict() of a sampler whose pass ran to its end says so: the loaded sampler's next pass is the
+    whole epoch again, as the saved sampler's is (it resumed an empty remainder)."""
+    s = GlobalSampler(11, seed=3, world_size=2, rank=0)
+    first = list(s)
+    t = GlobalSampler(11, seed=3, world_size=2, rank=0)
+    t.load_state_dict(s.state_dict())
+    assert list(t) == list(s) == first
 
 
 @settings(max_examples=60, deadline=None)

@@ -220,7 +220,7 @@ def test_resume_mid_epoch_equals_the_uninterrupted_epoch(sizes, nodes, local, dr
     for s in topology(sizes, world, local, seed=9, drop_last=drop_last):
         s.load_state_dict(states[saver % world])  # any rank's state resumes every rank
         s.set_epoch(1)
-        assert len(s) == len(whole[s.rank]) - k
+        assert s.pass_length() == len(whole[s.rank]) - k and len(s) == len(whole[s.rank])
         assert list(s) == whole[s.rank][k:]
         if k < len(whole[s.rank]):  # (a pass resumed at the end yields nothing, and so does the next)
             assert list(s) == whole[s.rank]  # the next pass is the whole epoch again
@@ -229,12 +229,12 @@ def test_resume_mid_epoch_equals_the_uninterrupted_epoch(sizes, nodes, local, dr
 def test_state_at_the_end_of_a_padded_epoch_resumes_to_nothing():
     a, b = topology([0, 3, 0], 4, 4, seed=1)[:2]  # one node of 4 ranks, 3 samples: padded to 4 positions
     assert list(a) + list(b) != [] and len(a) == 1
-    end = a.state_dict()
+    end = a.state_at(len(a))
     assert end["position"] == 4 > end["n"]
     b.load_state_dict(end)
-    assert len(b) == 0 and list(b) == []
+    assert b.pass_length() == 0 and list(b) == []
     b.set_epoch(1)
-    assert len(b) == 1
+    assert b.pass_length() == 1 == len(b)
 
 
 def test_resume_across_chunks_and_through_loader_workers_and_pickles():
@@ -334,4 +334,4 @@ def test_affinity_state_mismatch_is_refused():
     with pytest.raises(SamplerError, match="position <= "):
         s.load_state_dict({**state, "position": 10**6})
     s.load_state_dict(state)
-    assert s.state_dict()["position"] == 10 and len(s) == len(topology(sizes, 4, 2, seed=1)[0]) - 5
+    assert s.state_dict()["position"] == 10 and s.pass_length() == len(topology(sizes, 4, 2, seed=1)[0]) - 5

@@ -19,7 +19,7 @@ from typing import Any
 
 from torchforge._inspect import format_checks, format_details
 from torchforge._proc import drop_dead_stages, host_name
-from torchforge.convert import _materialize
+from torchforge.convert import _materialize, overlap
 from torchforge.errors import NotFoundError, TorchforgeError
 from torchforge.remote.url import is_remote, local_path
 
@@ -97,7 +97,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"torchforge convert: --columns is not JSON: {e}", file=sys.stderr)
             return 2
-    clash = _overlap(args.src, args.dst)
+    clash = overlap(args.src, args.dst)
     if clash:
         print(f"torchforge convert: {clash}; write to a destination outside the source", file=sys.stderr)
         return 2
@@ -177,25 +177,6 @@ def _converted(stats: Any, args: argparse.Namespace, dt: float) -> int:
     for where in stats.skipped_where:
         print(f"  skipped {where}")
     return 0
-
-
-def _overlap(src: str, dst: str) -> str:
-    """Why ``dst`` cannot be written (and, with --overwrite, deleted) without touching ``src``, or ''."""
-    if is_remote(src) or is_remote(dst):
-        if not (is_remote(src) and is_remote(dst)):
-            return ""
-        s, d = src.rstrip("/"), dst.rstrip("/")
-        sep = "/"
-    else:
-        s, d = (os.path.realpath(local_path(p)) for p in (src, dst))
-        sep = os.sep
-    if s == d:
-        return f"DST {dst} is SRC {src}"
-    if s.startswith(d.rstrip(sep) + sep):
-        return f"DST {dst} contains SRC {src}"
-    if d.startswith(s.rstrip(sep) + sep):
-        return f"DST {dst} lies inside SRC {src}"
-    return ""
 
 
 def _remote_info(url: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -371,9 +371,45 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, progress
         raise TorchforgeError(f"{to=} is not one of {list(TARGETS)}")
     remote = {k: v for k, v in (("cache_dir", cache_dir), ("cache_limit", cache_limit), ("mode", mode),
                                 ("storage_options", storage_options)) if v is not None}
+    clash = overlap(src, dst)
+    if clash:  # the destination is written (with overwrite, its old files deleted) while the source is read
+        raise TorchforgeError(f"{clash}; write to a destination outside the source")
     if is_remote(dst):
         return _convert_to_url(src, dst, to, progress, remote, options)
     return _convert(src, local_path(dst), to, progress, remote, options)
+
+
+def overlap(src: str, dst: str) -> str:
+    """Why ``dst`` cannot be written (and, with overwrite, its old files deleted) without touching ``src``,
+    or ``''``. URLs are compared as the store sees them (``s3a://`` is ``s3://``, the scheme's case and
+    slashes around the key do not matter), local paths after resolving links."""
+    from torchforge.remote.url import is_remote, local_path
+
+    if is_remote(src) != is_remote(dst):
+        return ""
+    if is_remote(src):
+        s, d = _object_place(src), _object_place(dst)
+        sep = "/"
+    else:
+        s, d = (os.path.realpath(local_path(p)) for p in (src, dst))
+        sep = os.sep
+    if s == d:
+        return f"DST {dst} is SRC {src}"
+    if s.startswith(d.rstrip(sep) + sep):
+        return f"DST {dst} contains SRC {src}"
+    if d.startswith(s.rstrip(sep) + sep):
+        return f"DST {dst} lies inside SRC {src}"
+    return ""
+
+
+def _object_place(url: str) -> str:
+    """``scheme://root/key`` of a folder URL as the store sees it (a bucket's root has an empty key)."""
+    from torchforge.remote.url import split_url
+
+    scheme, root, key = split_url(url.rstrip("/") + "/_")
+    if scheme in ("http", "https"):
+        root = root.lower()
+    return f"{scheme}://{root}/{key[:-1].strip('/')}".rstrip("/")
 
 
 def _convert(src: str, dst: str, to: str, progress: bool, remote: dict[str, Any],

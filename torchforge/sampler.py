@@ -170,7 +170,14 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
             self.epoch, self._start, self._yielded, self._live, self._ended = epoch, 0, 0, None, False
 
     def __len__(self) -> int:
-        """How many indices this rank yields in the current pass (the whole epoch unless resumed)."""
+        """How many indices this rank yields in a whole pass of the current epoch: constant across a
+        resume, as torch's samplers' (a training loop that reads ``len(loader)`` once, Lightning's, counts
+        every later epoch by it). A pass resumed from a loaded state yields :meth:`pass_length` of them."""
+        return self._count(0)
+
+    def pass_length(self) -> int:
+        """How many indices this rank yields in the current pass: ``len(self)``, or fewer in a pass that
+        resumes a loaded state (the rest of its epoch)."""
         return self._count(self._start)
 
     def __iter__(self) -> Iterator[int]:
@@ -194,9 +201,9 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         """This rank's indices at positions ``[start:stop:step]`` of the current pass, as int64.
 
         Positions count from the start of the current pass (0, or where a loaded state resumes) and
-        follow Python slice rules against ``len(self)``. Pure: the sampler's state does not change.
+        follow Python slice rules against :meth:`pass_length`. Pure: the sampler's state does not change.
         """
-        lo, hi, st = slice(start, stop, step).indices(len(self))
+        lo, hi, st = slice(start, stop, step).indices(self.pass_length())
         if st != 1 or hi - lo > _CHUNK:
             return self._at(self._start, np.arange(lo, hi, st, dtype=np.int64))
         if hi <= lo:
@@ -249,16 +256,17 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         positions consumed, which is what a sampler at another world size resumes from. A loader that
         prefetches has drawn more than the model consumed; use :meth:`state_at` with the consumed count.
         With ``shard_affinity`` it counts the positions of each node's (padded) order instead,
-        ``pass start + yielded * local_world_size``, the same on every node.
+        ``pass start + yielded * local_world_size``, the same on every node. A pass that ran to its end
+        is recorded as ended: the loaded sampler's next pass begins the epoch anew, as this one's does.
         """
-        return self.state_at(self._current_yielded())
+        return self.state_at(self._current_yielded(), ended=self._ended)
 
     def state_at(self, yielded: int, *, ended: bool = False) -> dict[str, Any]:
         """The state after this rank has yielded ``yielded`` indices of the current pass; ``ended``: and its
         consumer saw the pass end (the next pass after loading the state begins the epoch anew, as the next
         pass of the saved run would have; without it, a state at the end of the pass resumes an empty
         remainder)."""
-        yielded = min(max(int(yielded), 0), len(self))
+        yielded = min(max(int(yielded), 0), self.pass_length())
         aff = self._affinity
         if aff is None:
             position = min(self._start + yielded * self.world_size, self.n)
@@ -371,7 +379,7 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         key = (self.epoch, self._start, b)
         if self._cached_block is None or self._cached_block[0] != key:
             lo = b * _CHUNK
-            local = np.arange(lo, min(lo + _CHUNK, len(self)), dtype=np.int64)
+            local = np.arange(lo, min(lo + _CHUNK, self.pass_length()), dtype=np.int64)
             self._cached_block = (key, self._at(self._start, local))
         return self._cached_block[1]
 
@@ -671,7 +679,7 @@ class IterableShards(torch.utils.data.IterableDataset):
 
     def worker_positions(self, worker: int, workers: int) -> Iterator[np.ndarray]:
         """The pass positions worker ``worker`` of ``workers`` reads, in order, a few blocks at a time."""
-        count, b = len(self.sampler), self.block_size
+        count, b = self.sampler.pass_length(), self.block_size
         stride = b * workers
         per = max(1, _CHUNK // b)  # blocks per step
         for first in range(worker * b, count, stride * per):

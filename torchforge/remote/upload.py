@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torchforge.remote.client import FetcherClient, _writable, connect
-from torchforge.remote.errors import RemoteExistsError, RemoteNotFoundError
+from torchforge.remote.errors import RemoteExistsError, RemoteNotFoundError, RemoteReadOnlyError
 
 __all__ = ["UPLOADS", "check_destination", "publish_phases", "upload"]
 
@@ -79,7 +79,10 @@ def check_destination(url: str, *, overwrite: bool = False, single: bool = False
         RemoteReadOnlyError: ``url`` is ``http(s)://``.
         RemoteExistsError: objects are there and ``overwrite`` is False.
     """
-    _writable(url.rstrip("/") + "/_", storage_options)
+    try:
+        _writable(url.rstrip("/") + "/_", storage_options)
+    except RemoteReadOnlyError as e:  # named by the destination given, not the probe's made-up key
+        raise RemoteReadOnlyError(e.reason, url=url) from None
     client = client or connect()
     if single:
         try:
