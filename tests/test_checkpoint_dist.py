@@ -265,6 +265,24 @@ def test_restore_into_an_optimizer_with_other_param_groups_is_an_error_before_an
     _same(before, m.state_dict())  # (torch's loader folded the groups into one, silently)
 
 
+@pytest.mark.parametrize("saved_kind", ["fsdp", "ddp"])
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_restore_into_a_model_that_does_not_fit_is_an_error_before_anything_changes(saved, saved_kind, change):
+    """A later tensor of another shape (the error came after the earlier tensors were copied) or of an
+    integer dtype (a float buffer was cast into it: 2.0 -> 2, 1.5 -> 1, silently) is refused first."""
+    m, _ = _build("plain", 1)
+    if change == "shape":
+        m.c = torch.nn.Linear(7, 12, bias=False)  # the last tensor of the model
+        match = r"'c.weight' has shape \[13, 7\] in the checkpoint, \[12, 7\] in the model"
+    else:
+        m.scale = torch.tensor(0, dtype=torch.int64)
+        match = r"'scale' is float32 in the checkpoint, int64 in the model"
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(CheckpointError, match=match):
+        Checkpointer(str(saved / f"ck-{saved_kind}")).restore(model=m)
+    _same(before, m.state_dict())
+
+
 def test_restore_into_a_meta_model_in_a_plain_process_is_an_error(saved):
     with torch.device("meta"):
         m, _ = _build("plain", 1)

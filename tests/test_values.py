@@ -142,3 +142,15 @@ def test_byteview_indexes_and_iterates_as_bytes():
     v = byte_view(b"\x01\x02\xff")
     assert v[-1] == 255 and type(v[-1]) is int and len(v) + v[-1] == 258  # no uint8 wrap-around
     assert list(v) == [1, 2, 255] and isinstance(v[1:], ByteView) and v[1:] == b"\x02\xff"
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x00", b"\x89PNG\r\n\x00\x00", bytes(range(256))])
+def test_byteview_truth_and_membership_are_bytes(raw):
+    """bool() raised numpy's 'truth value of an array is ambiguous' (and was False for b"\\x00"); `in`
+    compared elements, so b"PNG" in v was False for bytes that hold it."""
+    v = byte_view(raw)
+    assert bool(v) is bool(raw)
+    for item in (b"", b"PNG", b"\x89", b"\x00\x00", raw, raw + b"x", 0, 0x89, 255):
+        assert (item in v) is (item in raw), item
+    with pytest.raises((TypeError, ValueError)):
+        _ = 256 in v  # as bytes: a byte must be in range(256)

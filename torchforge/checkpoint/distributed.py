@@ -59,6 +59,7 @@ from torchforge._proc import host_name, pid_alive
 from torchforge.checkpoint.digest import BlockDigest
 from torchforge.checkpoint.state import (
     TensorTable,
+    check_fits,
     check_group_sizes,
     check_loader,
     check_materialized,
@@ -936,12 +937,16 @@ class _Reader:
                                   f"this rank needs (offsets {offsets}, sizes {sizes})",
                                   path=os.path.join(self.folder, "manifest.json"))
 
+    def check_like(self, name: str, target: torch.Tensor, key: str | None = None) -> None:
+        """Saved tensor ``name`` can be copied into ``target`` (model key ``key``): the same global shape,
+        a dtype that changes precision only (CheckpointError otherwise)."""
+        e = self.entry(name)
+        check_fits(key or name, e["shape"], torch_dtype(e["dtype"]), target,
+                   os.path.join(self.folder, "manifest.json"))
+
     def fill_like(self, name: str, target: torch.Tensor) -> None:
         """Fill what this process holds of ``target`` (a DTensor's local slice, or a whole tensor)."""
-        shape = self.entry(name)["shape"]
-        if list(target.shape) != list(shape):
-            raise CheckpointError(f"{name!r} has shape {shape} in the checkpoint, {list(target.shape)} here",
-                                  path=os.path.join(self.folder, "manifest.json"))
+        self.check_like(name, target)
         local, offsets, sizes = _local_region(target)
         if local.numel():
             self.fill(name, local, offsets, sizes)
@@ -1025,6 +1030,8 @@ def _restore_model(reader: _Reader, model: Any, spec: Any, where: str) -> None:
         raise CheckpointError(f"model keys differ from the checkpoint: missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]}", path=where)
     check_materialized(target, where)
+    for k, t in target.items():  # every tensor fits before the first copy: all or nothing
+        reader.check_like(saved[k], t, k)
     tied: dict[tuple, str] = {}
     for k, t in target.items():
         local = t.to_local() if _is_dtensor(t) else t

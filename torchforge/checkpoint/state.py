@@ -22,7 +22,7 @@ from torchforge.formats.safetensors import DTYPES
 
 SAFETENSORS_DTYPES = frozenset(dt for _, dt in DTYPES.values() if dt is not None)
 
-__all__ = ["TensorTable", "alias_problem", "decode", "encode", "restore_model", "restore_optimizer"]
+__all__ = ["TensorTable", "alias_problem", "check_fits", "decode", "encode", "restore_model", "restore_optimizer"]
 
 _EXTRA_STATE = "_extra_state"  # torch's key for a module's get_extra_state()
 _TAGS = ("__tensor__", "__tuple__", "__float__", "__dict__", "__dtype__")
@@ -236,13 +236,7 @@ def restore_model(model: torch.nn.Module, source: Callable[[str], torch.Tensor],
         if torch.nn.parameter.is_lazy(dst) or k.endswith(_EXTRA_STATE):
             continue  # no shape yet (load_state_dict's lazy hook makes it), or anything set_extra_state takes
         dst = dst.detach()
-        if tuple(src.shape) != tuple(dst.shape):
-            raise CheckpointError(f"{k!r} has shape {list(src.shape)} in the checkpoint, {list(dst.shape)} in "
-                                  "the model", path=where)
-        if _lossy(src.dtype, dst.dtype):
-            raise CheckpointError(f"{k!r} is {str(src.dtype).removeprefix('torch.')} in the checkpoint, "
-                                  f"{str(dst.dtype).removeprefix('torch.')} in the model: the copy would lose "
-                                  "values (convert the model or the checkpoint)", path=where)
+        check_fits(k, list(src.shape), src.dtype, dst, where)
         key = memory_key(dst)
         if dst.numel() and key in done:  # tied in the model: one tensor, restored once
             first, stored, value = done[key]
@@ -278,6 +272,18 @@ def match_names(model: torch.nn.Module, target: Mapping[str, Any], stored: set[s
     missing, unexpected = sorted(have - saved), sorted(saved - have)
     raise CheckpointError(f"model keys differ from the checkpoint: {len(missing)} missing {missing[:5]}, "
                           f"{len(unexpected)} unexpected {unexpected[:5]}", path=where)
+
+
+def check_fits(name: str, shape: list[int], dtype: torch.dtype, dst: torch.Tensor, where: str) -> None:
+    """A stored tensor of ``shape`` and ``dtype`` can be copied into the model's ``dst`` (the same shape;
+    a dtype that changes precision only, never float into int): else a CheckpointError naming it."""
+    if list(shape) != list(dst.shape):
+        raise CheckpointError(f"{name!r} has shape {list(shape)} in the checkpoint, {list(dst.shape)} in "
+                              "the model", path=where)
+    if _lossy(dtype, dst.dtype):
+        raise CheckpointError(f"{name!r} is {str(dtype).removeprefix('torch.')} in the checkpoint, "
+                              f"{str(dst.dtype).removeprefix('torch.')} in the model: the copy would lose "
+                              "values (convert the model or the checkpoint)", path=where)
 
 
 def _lossy(src: torch.dtype, dst: torch.dtype) -> bool:

@@ -8,8 +8,8 @@ travel, and costs no copy where they do not:
   batch or a queue), so the other side receives plain ``bytes``;
 - torch's ``default_collate`` collates a batch of them as it does ``bytes``: a list (the type is added
   to ``torch.utils.data._utils.collate.default_collate_fn_map``, the extension point torch documents);
-- ``==``, ``hash``, ``len``, ``v[i]`` and iteration (ints), ``bytes(v)``, ``v.decode()`` and the buffer protocol (``memoryview(v)``,
-  ``io.BytesIO(v)``, ``np.frombuffer(v)``, ``PIL.Image.open(io.BytesIO(v))``) work as on ``bytes``.
+- ``==``, ``hash``, ``len``, truth, ``in`` (a byte or a substring), ``v[i]`` and iteration (ints),
+  ``bytes(v)``, ``v.decode()`` and the buffer protocol (``memoryview(v)``, ``io.BytesIO(v)``, ``np.frombuffer(v)``, ``PIL.Image.open(io.BytesIO(v))``) work as on ``bytes``.
 
 It is a one-dimensional ``uint8`` numpy array underneath (the one type in Python 3.11 that offers
 the buffer protocol over someone else's memory and can be subclassed), so arithmetic is numpy's;
@@ -44,6 +44,12 @@ class ByteView(np.ndarray):
 
     def __bytes__(self) -> bytes:
         return self.tobytes()
+
+    def __bool__(self) -> bool:  # numpy's: ambiguous beyond one element, and False for b"\x00"
+        return len(self) > 0
+
+    def __contains__(self, item: object) -> bool:  # numpy's compares elements: b"PNG" in v was False
+        return item in self.tobytes()
 
     def __eq__(self, other: object) -> bool:  # type: ignore[override]
         if isinstance(other, BYTES_LIKE):
