@@ -621,8 +621,8 @@ def test_an_overwrite_whose_deletes_fail_half_way_leaves_no_shorter_old_dataset(
                     storage_options={**env.opts, "max_retries": 0}, overwrite=True)
     finally:
         env.proxy.deny = None
-    left = [k for k in env.keys("half/ds") if k.endswith(".jinx")]
-    assert left == old[:-1]  # the chain's end went first; nothing new was uploaded
+    left = [k for k in env.keys("half/ds") if k.endswith(".jinx") and "/.torchforge-upload-" not in k]
+    assert left == old[:-1]  # the chain's end went first; nothing new was copied into place
     with pytest.raises(CorruptShardError, match="incomplete"):
         torchforge.open_dataset(url, cache_dir=tmp_path / "read", storage_options=env.opts)
 
@@ -765,3 +765,32 @@ def test_a_read_only_destination_is_named_as_given(env, tmp_path):
     with pytest.raises(RemoteReadOnlyError) as e:
         convert(_write_mds(tmp_path / "a", n=3), "http://127.0.0.1:9/bkt/x", to="mds", cache_dir=env.cache)
     assert e.value.url == "http://127.0.0.1:9/bkt/x" and "/_" not in str(e.value)
+
+
+@pytest.mark.parametrize("to", ["mds", "jinx"])
+def test_a_failed_overwrite_leaves_the_old_dataset_intact(env, tmp_path, to):
+    """An overwrite deleted the old dataset before the first PUT of the new one: one failed PUT, and the
+    URL held nothing. Now the new files go to a staging prefix first; the old dataset is deleted only once
+    they are all there, and a failed upload leaves it as it was (and no staging objects)."""
+    url = f"s3://{BUCKET}/intact/{to}"
+    opts = {"size_limit": 16384} if to == "mds" else {"shard_size": 16384}
+    convert(_write_mds(tmp_path / "a", n=60), url, to=to, cache_dir=env.cache, storage_options=env.opts, **opts)
+    before = {k: env.s3.get_object(Bucket=BUCKET, Key=k)["Body"].read() for k in env.keys(f"intact/{to}")}
+    assert len(before) > 3
+    env.proxy.fail = lambda path, n: 503 if n >= 2 else None  # the third PUT and every one after it
+    try:
+        with pytest.raises(RemoteError, match="retries"):
+            convert(_write_mds(tmp_path / "b", n=60, seed=9), url, to=to, cache_dir=env.cache,
+                    storage_options={**env.opts, "max_retries": 1}, overwrite=True, **opts)
+    finally:
+        env.proxy.fail = None
+    after = {k: env.s3.get_object(Bucket=BUCKET, Key=k)["Body"].read() for k in env.keys(f"intact/{to}")}
+    assert after == before  # every old object, byte for byte, and nothing else
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "read", storage_options=env.opts)
+    assert [s["id"] for s in ds] == [r["id"] for r in mds_rows(60, 3)]
+    # and an overwrite that succeeds leaves the new dataset only
+    convert(_write_mds(tmp_path / "c", n=7, seed=9), url, to=to, cache_dir=env.cache, storage_options=env.opts,
+            overwrite=True, **opts)
+    assert not [k for k in env.keys(f"intact/{to}") if ".torchforge-upload-" in k]
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "read2", storage_options=env.opts)
+    assert [s["id"] for s in ds] == [r["id"] for r in mds_rows(7, 9)]

@@ -351,9 +351,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, progress
         mode: how a URL source is read (``"shards"`` or ``"ranges"``).
         storage_options: endpoint, region, credentials, ... for URLs (see :mod:`torchforge.remote.url`).
         **options: the target writer's options (e.g. ``compression="zst"``, ``columns=...`` for MDS). For a
-            URL destination ``overwrite=True`` replaces what the destination holds (the old objects are
-            deleted once the new dataset is converted, before it is uploaded); without it a destination
-            holding any object is refused before anything is converted.
+            URL destination ``overwrite=True`` replaces the dataset the destination holds (the new one is
+            uploaded beside it first, so a failed upload leaves the old one intact; see
+            :func:`torchforge.remote.upload`); without it a destination holding any object is refused
+            before anything is converted.
 
     Returns:
         ConversionStats with the samples written and the malformed records skipped.

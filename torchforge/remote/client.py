@@ -19,6 +19,7 @@ from torchforge.remote.cache import ObjectCache, version_of
 from torchforge.remote.errors import RemoteReadOnlyError
 from torchforge.remote.messages import (
     COALESCE_GAP,
+    CopyRequest,
     DeleteRequest,
     FetchRequest,
     HeadRequest,
@@ -230,6 +231,22 @@ class FetcherClient:
         path = os.path.abspath(os.fspath(local_path))
         size = os.path.getsize(path)
         return self._call(PutRequest(url, spec, key, path, size))
+
+    def copy(self, source: str, url: str, *, storage_options: Mapping[str, Any] | None = None) -> None:
+        """Copy the object ``source`` to ``url`` (replacing it) on the server: both in one bucket or
+        container; the object appears whole or not at all.
+
+        Raises:
+            ValueError: the two URLs are in different stores.
+            RemoteReadOnlyError: ``url`` is ``http(s)://``.
+            RemoteNotFoundError: ``source`` does not exist.
+            RemoteAccessError, RemoteError: the store refused or failed (names ``url``).
+        """
+        spec, key = _writable(url, storage_options)
+        from_spec, from_key = store_spec(source, storage_options)
+        if from_spec != spec:
+            raise ValueError(f"{source} and {url} are in different stores: a copy stays in one")
+        self._call(CopyRequest(url, spec, from_key, key))
 
     def list_objects(self, url: str, *,
                      storage_options: Mapping[str, Any] | None = None) -> list[tuple[str, int]]:

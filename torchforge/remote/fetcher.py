@@ -51,6 +51,7 @@ from torchforge.remote.errors import (
     RemoteReadOnlyError,
 )
 from torchforge.remote.messages import (
+    CopyRequest,
     DeleteRequest,
     FetchRequest,
     HeadRequest,
@@ -523,6 +524,15 @@ class _Server:
         res = _retrying(req.url, once, req.store)
         return ObjectInfo(req.size, res.get("e_tag"))
 
+    def copy(self, req: CopyRequest) -> None:
+        """Copy an object within its store on the server (S3 CopyObject, GCS rewrite, Azure copy)."""
+        import obstore
+
+        if req.store.kind in ("http", "https"):
+            raise RemoteReadOnlyError(f"{req.store.kind}:// URLs are read-only", url=req.url)
+        store = self.store(req.store)
+        _retrying(req.url, lambda: obstore.copy(store, req.source, req.key), req.store)
+
     def list(self, req: ListRequest) -> list[tuple[str, int, str | None]]:
         import obstore
 
@@ -551,7 +561,7 @@ class _Server:
 
 # request type -> the _Server method that serves it
 _HANDLERS = {HeadRequest: "head", RangesRequest: "ranges", FetchRequest: "fetch", ReadRequest: "read",
-             PutRequest: "put", ListRequest: "list", DeleteRequest: "delete"}
+             PutRequest: "put", CopyRequest: "copy", ListRequest: "list", DeleteRequest: "delete"}
 
 
 def _timeouts(spec: StoreSpec, quick: bool) -> float:

@@ -12,7 +12,7 @@ from typing import Any
 
 from torchforge.remote.url import StoreSpec
 
-__all__ = ["COALESCE_GAP", "MAX_MERGED", "DeleteRequest", "FetchRequest", "HeadRequest", "ListRequest",
+__all__ = ["COALESCE_GAP", "MAX_MERGED", "CopyRequest", "DeleteRequest", "FetchRequest", "HeadRequest", "ListRequest",
            "ObjectInfo", "PutRequest", "RangesRequest", "ReadRequest", "Reply", "address", "authkey", "check_ranges",
            "coalesce"]
 
@@ -91,6 +91,16 @@ class ListRequest:
     url: str
     store: StoreSpec
     prefix: str
+
+
+@dataclass(frozen=True)
+class CopyRequest:
+    """Copy the object ``source`` to ``key`` in the same store, on the server (no bytes through here)."""
+
+    url: str
+    store: StoreSpec
+    source: str
+    key: str
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,10 @@ makes the dataset whole:
 Each object is written atomically by the store (obstore's ``put``); a failure stops the upload, waits
 for the PUTs in flight, removes every object this upload sent (best effort; the last phase's first, as a
 PUT whose reply was lost may have stored it, and nothing else if that fails) and raises, so the
-destination holds no index, or the whole dataset. An overwrite deletes only the old dataset's files, in
-the order of :func:`_deletion_order`. All object I/O goes through the node's fetcher
-(:mod:`torchforge.remote.client`).
+destination holds no index, or the whole dataset. An overwrite uploads the new dataset under a hidden
+staging prefix first, so that a failed upload leaves the old dataset as it was; then it deletes only the
+old dataset's files, in the order of :func:`_deletion_order`, and copies the new ones into place on the
+server, phase by phase. All object I/O goes through the node's fetcher (:mod:`torchforge.remote.client`).
 """
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ import concurrent.futures
 import logging
 import os
 import re
+import secrets
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from torchforge._proc import host_name
 from torchforge.remote.client import FetcherClient, _writable, connect
 from torchforge.remote.errors import RemoteExistsError, RemoteNotFoundError, RemoteReadOnlyError
 
@@ -125,17 +128,23 @@ def upload(local: str | os.PathLike, url: str, *, overwrite: bool = False,
            on_file: Callable[[str, int], None] | None = None) -> list[str]:
     """Upload the dataset folder (or single file) ``local`` to ``url`` in :func:`publish_phases` order.
 
-    With ``overwrite``, the old dataset's files are deleted first (the files a reader trusts before the
-    rest, see :func:`_deletion_order`), so no reader ever mixes old and new objects or reads the old
-    dataset short; other objects at the destination (a README, notes) are kept.
+    With ``overwrite``, the new dataset is uploaded beside the old one first, under a hidden staging
+    prefix in the destination (``.torchforge-upload-h<host>-p<pid>-<token>/``), where no reader looks:
+    a failed or interrupted upload leaves the old dataset as it was. Only once every file is there are
+    the old dataset's files deleted (the files a reader trusts before the rest, see
+    :func:`_deletion_order`), the new files copied into place on the server in the same phases (no
+    bytes through this machine again), and the staging prefix removed; no reader ever mixes old and new
+    objects or reads the old dataset short. Other objects at the destination (a README, notes) are
+    kept. (A destination at a bucket's root has no room for a staging prefix: its old files are deleted
+    before the upload, as the copies would go.)
 
     Args:
-        local: a finished dataset folder, or one file (uploaded to ``url`` itself).
+        local: a finished dataset folder, or one file (uploaded to ``url`` itself, replacing it atomically).
         url: the destination folder URL (``s3://bucket/prefix``), or the object URL for a file.
         overwrite: replace the objects already at ``url``; without it such a destination is refused.
         cache_dir: the cache folder naming the node's fetcher (default: the per-user cache folder).
         storage_options: see :mod:`torchforge.remote.url`.
-        on_file: called with each uploaded object's URL and size, as it completes.
+        on_file: called with each uploaded object's (final) URL and size, as it completes.
 
     Returns:
         the URLs written, in the order they completed.
@@ -144,7 +153,9 @@ def upload(local: str | os.PathLike, url: str, *, overwrite: bool = False,
         RemoteExistsError: the destination holds objects and ``overwrite`` is False.
         RemoteReadOnlyError: ``url`` is ``http(s)://``.
         RemoteError: an upload failed after retries (names the object's URL); the objects this upload
-            wrote are removed again, so the destination holds no index.
+            wrote are removed again, so the destination holds no index (and, overwriting, the old
+            dataset is intact, unless the failure came after its files were deleted: then neither is
+            there).
     """
     local = os.fspath(local)
     url = url.rstrip("/")
@@ -152,44 +163,88 @@ def upload(local: str | os.PathLike, url: str, *, overwrite: bool = False,
     client = connect(cache_dir)
     old = check_destination(url, overwrite=overwrite, single=single, client=client,
                             storage_options=storage_options)
-    for group in _deletion_order(old, url):  # a failure stops here: what is left still reads whole, or not at all
-        client.delete(group, storage_options=storage_options)
-    if single:
+    if single:  # a PUT replaces the object whole: nothing to delete first
         client.put(url, local, storage_options=storage_options)
         if on_file is not None:
             on_file(url, os.path.getsize(local))
         return [url]
-    done: list[str] = []
-    started: list[str] = []  # every object a PUT was sent for: a failed one may still have been stored
-    clients = [FetcherClient(client.cache_dir) for _ in range(UPLOADS)]
+    doomed = _deletion_order(old, url)
     phases = publish_phases(local)
-    last = {f"{url}/{rel}" for rel in phases[-1]} if phases else set()
+    stage = _staging(url) if doomed else None
+    clients = [FetcherClient(client.cache_dir) for _ in range(UPLOADS)]
+
+    def put(c: FetcherClient, rel: str) -> None:
+        info = c.put(f"{stage or url}/{rel}", os.path.join(local, *rel.split("/")), storage_options=storage_options)
+        if on_file is not None:
+            on_file(f"{url}/{rel}", info.size)
+
+    def copy(c: FetcherClient, rel: str) -> None:
+        c.copy(f"{stage}/{rel}", f"{url}/{rel}", storage_options=storage_options)
+
     try:
-        for phase in phases:
-            _upload_phase(clients, local, url, phase, done, started, storage_options, on_file)
-    except BaseException:
-        # the file that makes the dataset whole first (a PUT whose reply was lost may have stored it), then
-        # every other object this upload sent; no PUT is in flight any more (see _upload_phase)
-        for group in ([u for u in started if u in last], [u for u in started if u not in last]):
-            try:
-                if group:
-                    client.delete(group, storage_options=storage_options)
-            except Exception as e:  # noqa: BLE001 - the upload's own error is the one to raise
-                # the rest stays: without its data files, a file that makes the dataset whole (stored
-                # by a PUT whose reply was lost) would open as a dataset that is short or cannot be read
-                log.warning("could not remove %d objects of the failed upload to %s (%s); the others are left "
-                            "in place too", len(group), url, e)
-                break
-        raise
+        if stage is None:
+            _delete_groups(client, doomed, storage_options)
+            return _publish(clients, client, url, phases, put, storage_options)
+        _publish(clients, client, stage, phases, put, storage_options)  # a failure here: the old one is intact
+        try:
+            _delete_groups(client, doomed, storage_options)
+            return _publish(clients, client, url, phases, copy, storage_options)
+        finally:
+            _remove(client, [f"{stage}/{rel}" for phase in phases for rel in phase], storage_options,
+                    f"the staging prefix {stage}")
     finally:
         for c in clients:
             c.close()
+
+
+def _staging(url: str) -> str | None:
+    """A fresh hidden prefix inside the destination folder ``url`` for an upload beside the old dataset
+    (None at a bucket's root, whose objects have no common folder)."""
+    if not url.split("://", 1)[1].partition("/")[2].strip("/"):
+        return None
+    return f"{url}/.torchforge-upload-h{host_name()}-p{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _delete_groups(client: FetcherClient, groups: list[list[str]],
+                   storage_options: Mapping[str, Any] | None) -> None:
+    for group in groups:  # a failure stops here: what is left still reads whole, or not at all
+        client.delete(group, storage_options=storage_options)
+
+
+def _remove(client: FetcherClient, urls: list[str], storage_options: Mapping[str, Any] | None, what: str) -> bool:
+    """Delete ``urls``, best effort (a warning names ``what`` when it fails); whether it worked."""
+    try:
+        if urls:
+            client.delete(urls, storage_options=storage_options)
+        return True
+    except Exception as e:  # noqa: BLE001 - the caller's own outcome (an error, or success) is the one to report
+        log.warning("could not remove %d objects of %s (%s)", len(urls), what, e)
+        return False
+
+
+def _publish(clients: list[FetcherClient], client: FetcherClient, url: str, phases: list[list[str]],
+             send: Callable[[FetcherClient, str], None], storage_options: Mapping[str, Any] | None) -> list[str]:
+    """Write every phase's files under ``url`` with ``send(client, rel)``, a phase only once the one before
+    it is complete. A failure removes every object this wrote and raises: the file that makes the dataset
+    whole first (a request whose reply was lost may have stored it), then the others; if that removal
+    fails, the rest stays (without its data files, that file would open as a dataset that is short or
+    cannot be read). Returns the URLs written, in the order they completed."""
+    done: list[str] = []
+    started: list[str] = []  # every object a request was sent for: a failed one may still have been stored
+    last = {f"{url}/{rel}" for rel in phases[-1]} if phases else set()
+    try:
+        for phase in phases:
+            _upload_phase(clients, url, phase, done, started, send)
+    except BaseException:
+        for group in ([u for u in started if u in last], [u for u in started if u not in last]):
+            if not _remove(client, group, storage_options, f"the failed upload to {url}; the others are left in place too"):
+                break
+        raise
     return done
 
 
-def _upload_phase(clients: list[FetcherClient], local: str, url: str, phase: list[str], done: list[str],
-                  started: list[str], storage_options: Mapping[str, Any] | None,
-                  on_file: Callable[[str, int], None] | None) -> None:
+def _upload_phase(clients: list[FetcherClient], url: str, phase: list[str], done: list[str], started: list[str],
+                  send: Callable[[FetcherClient, str], None]) -> None:
     """Upload ``phase``'s files at once (one connection each, ``len(clients)`` at a time); the first
     failure stops the files not yet started and is raised once the others have ended. Whatever ends it
     (a KeyboardInterrupt too), it returns or raises only after every PUT it sent has been answered: the
@@ -211,9 +266,8 @@ def _upload_phase(clients: list[FetcherClient], local: str, url: str, phase: lis
                 dst = f"{url}/{rel}"
                 started.append(dst)
                 flying += 1
-            path = os.path.join(local, *rel.split("/"))
             try:
-                info = client.put(dst, path, storage_options=storage_options)
+                send(client, rel)
             except BaseException:
                 failed.set()
                 raise
@@ -223,8 +277,6 @@ def _upload_phase(clients: list[FetcherClient], local: str, url: str, phase: lis
                     cond.notify_all()
             with cond:
                 done.append(dst)
-            if on_file is not None:
-                on_file(dst, info.size)
 
     n = min(len(clients), len(phase))
     pool = ThreadPoolExecutor(n, thread_name_prefix="torchforge-upload")
