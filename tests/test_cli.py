@@ -393,3 +393,63 @@ def test_convert_removes_what_a_killed_convert_into_the_same_destination_left(tm
     assert main(["convert", fixture_copy("mds-streaming-none"), str(tmp_path / "dst"), "--to", "jinx", "-q"]) == 0
     left = sorted(n for n in os.listdir(tmp_path) if n.startswith(".dst"))
     assert left == [f".dst.converting-h{host_name()}-p{alive}"]  # a live convert's is left alone
+
+
+def test_a_convert_killed_between_its_renames_gets_its_old_destination_back(tmp_path, fixture_copy, capsys):
+    """SIGKILL right after DST was moved aside (before the new one took its place): the next convert into
+    DST deleted the moved-aside folder with the dead convert's stage, and DST was gone for good."""
+    src, dst = fixture_copy("jinx-b64-zst-binx"), fixture_copy("mds-streaming-none")
+    want = _all(dst)
+    code = ("import os, signal, sys\nr = os.rename\n"
+            "def rn(a, b):\n    r(a, b)\n    if b.endswith('.old'): os.kill(os.getpid(), signal.SIGKILL)\n"
+            "os.rename = rn\nfrom torchforge.cli import main\nsys.exit(main(sys.argv[1:]))")
+    run = subprocess.run([sys.executable, "-c", code, "convert", src, dst, "--to", "jinx", "--overwrite", "-q"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == -9 and not os.path.exists(dst)  # killed with DST moved aside
+    assert main(["convert", src, dst, "--to", "jinx", "-q"]) == 2  # DST is back: it exists, no --overwrite
+    assert "exists" in capsys.readouterr().err
+    got = _all(dst)
+    assert len(got) == len(want) and all(same(x, y) == "" for x, y in zip(got, want))
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".old")]
+
+
+@pytest.mark.parametrize("fifo", ["shard-00000.jinx", "shard-00000.binx"])
+def test_a_jinx_shard_or_sidecar_that_is_a_fifo_is_named_not_waited_on(tmp_path, fixture_copy, fifo):
+    """open() of a FIFO blocks until a writer comes: verify and inspect hung for ever on one."""
+    folder = fixture_copy("jinx-b64-zst-binx")
+    os.remove(os.path.join(folder, fifo))
+    os.mkfifo(os.path.join(folder, fifo))
+    for cmd in ("verify", "inspect"):
+        run = subprocess.run([sys.executable, "-m", "torchforge", cmd, folder], capture_output=True, text=True,
+                             timeout=60, check=False)
+        assert run.returncode == 1 and "not a regular file" in run.stdout + run.stderr
+        assert fifo in run.stdout + run.stderr and "Traceback" not in run.stderr
+
+
+def test_bad_command_line_values_are_one_line_errors(fixture_copy, capsys):
+    """-o without '=' (a dict() error about 'update sequence element'), a missing --field or --sort-key (a
+    KeyError traceback), negative --limit / --max-shards (accepted: 'shuffle 195 samples')."""
+    folder = fixture_copy("jinx-b64-zst-binx")
+    for argv in (["convert", folder, folder + "-out", "--to", "mds", "-o", "compression"],
+                 ["bench", folder, "--limit", "-5"], ["inspect", folder, "--max-shards", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "is not KEY=VALUE" in err or "is not a count" in err
+    for opt in ("--field", "--sort-key"):
+        assert main(["bench", folder, opt, "nosuch"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{opt} 'nosuch'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("lost", ["shard-00005", "shard-00000"])
+def test_verify_reports_a_shard_missing_from_a_jinx_chain(fixture_copy, capsys, lost):
+    """A deleted middle or first shard: its samples were silently not read, and verify said 0 problems."""
+    folder = fixture_copy("jinx-b64-multishard")
+    for ext in (".jinx", ".binx"):
+        if os.path.exists(os.path.join(folder, lost + ext)):
+            os.remove(os.path.join(folder, lost + ext))
+    assert main(["verify", folder]) == 1
+    out = capsys.readouterr().out
+    assert f"none here has number [{int(lost[-5:])}]" in out and "DAMAGED" in out

@@ -90,9 +90,37 @@ def _mds_checks(ds: Any) -> list[TorchforgeError]:
     return problems
 
 
+def _jinx_checks(ds: Any) -> list[TorchforgeError]:
+    """Every folder's chain of shards is whole: the footers number the shards (``shard_id``, kept when
+    shards are renamed) from 0 to the one that ends the chain, and none of those numbers is missing.
+    Opening reads what is there (a folder holding the chain's end is read whole); a shard deleted from
+    the middle or the front would be samples lost without a word."""
+    if ds.format_name != "jinx" or getattr(ds, "split", None) is not None:  # (a split keeps some shards only)
+        return []
+    folders: dict[str, list[Any]] = {}
+    for shard in ds.shards:
+        folders.setdefault(os.path.dirname(shard.path), []).append(shard)
+    problems: list[TorchforgeError] = []
+    for folder, shards in sorted(folders.items()):
+        ids = [s.footer.get("shard_id") for s in shards]
+        ends = [i for s, i in zip(shards, ids) if not s.footer.get("shard_next")]
+        if not all(type(i) is int for i in ids) or len(ends) != 1:
+            continue  # shards a writer did not number, or no single end: nothing to count against
+        missing = sorted(set(range(ends[0] + 1)) - set(ids))
+        if missing:
+            problems.append(CorruptShardError(
+                f"the chain of shards is missing {len(missing)} of its {ends[0] + 1} shards: the footers number "
+                f"them 0..{ends[0]} (shard_id) and none here has number {missing[:10]} (deleted or lost files: "
+                "their samples are not read)", path=folder))
+    return problems
+
+
 def format_checks(ds: Any) -> list[TorchforgeError]:
-    """Checks beyond decoding every sample (checksums recorded by the writer)."""
-    return _mds_checks(ds) if ds.format_name == "mds" else []
+    """Checks beyond decoding every sample (checksums recorded by the writer, a chain of shards that is
+    whole)."""
+    if ds.format_name == "mds":
+        return _mds_checks(ds)
+    return _jinx_checks(ds)
 
 
 def unhashed_shards(ds: Any) -> tuple[int, int]:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchforge._inspect import format_checks, format_details
-from torchforge._proc import drop_dead_stages, host_name
+from torchforge._proc import drop_dead_stages, host_name, pid_alive
 from torchforge.convert import _materialize, overlap
 from torchforge.errors import NotFoundError, TorchforgeError
 from torchforge.remote.url import is_remote, local_path
@@ -63,6 +63,16 @@ def _key_value(text: str) -> tuple[str, str]:
     return key, value
 
 
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (an integer >= 0)")
+    return n
+
+
 def _remote_options(args: argparse.Namespace) -> dict[str, Any]:
     """``open_dataset``'s options for a URL, from ``--cache-dir``, ``--cache-limit``, ``--mode`` and
     ``--storage-option``."""
@@ -89,7 +99,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from torchforge.convert import convert
     from torchforge.remote.errors import RemoteExistsError
 
-    options = dict(kv.split("=", 1) for kv in args.option)
+    options = dict(args.option)
     options = {k.replace("-", "_"): _num(v) for k, v in options.items()}
     if args.columns:
         try:
@@ -115,6 +125,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             return 1
         return _converted(stats, args, time.perf_counter() - t0)
     args.dst = dst = local_path(args.dst)
+    _put_back_moved_aside(dst)
     exists = os.path.lexists(dst) and not (os.path.isdir(dst) and not os.path.islink(dst) and not os.listdir(dst))
     if exists and not args.overwrite:
         print(f"torchforge convert: {dst} exists and is not empty; pass --overwrite", file=sys.stderr)
@@ -143,6 +154,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
     finally:
         _remove(stage)
     return _converted(stats, args, time.perf_counter() - t0)
+
+
+def _put_back_moved_aside(dst: str) -> None:
+    """A convert killed between its two renames (DST moved aside, the new one not yet in place) left the
+    old DST under ``.<name>.converting-h<host>-p<pid>.old`` and no DST: put it back, before anything
+    else looks at DST (the clean-up of dead converts' folders deleted it, and DST was lost)."""
+    parent = os.path.dirname(os.path.abspath(dst))
+    if os.path.lexists(dst) or not os.path.isdir(parent):
+        return
+    base = os.path.basename(os.path.abspath(dst))
+    aside = re.compile(rf"\.{re.escape(base)}\.converting-h{re.escape(host_name())}-p(\d+)\.old")
+    for name in sorted(os.listdir(parent)):
+        m = aside.fullmatch(name)
+        if m and not pid_alive(int(m.group(1))):
+            os.rename(os.path.join(parent, name), dst)
+            return
 
 
 def _replace(stage: str, dst: str) -> None:
@@ -380,6 +407,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     field = args.field
     rows = []
 
+    if field is not None and n and field not in ds[0]:
+        raise TorchforgeError(f"--field {field!r}: sample 0 has no such field (it has {sorted(ds[0])})",
+                              path=args.path)
+
     def run(name: str, order: Sequence[int] | np.ndarray, setup_s: float = 0.0) -> None:
         t0 = time.perf_counter()
         for i in order:
@@ -394,7 +425,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     run("shuffle", rng.permutation(len(ds))[:n])
     if args.sort_key:
         t0 = time.perf_counter()
-        order = np.argsort(ds.keys(args.sort_key, cache=False), kind="stable")[:n]
+        try:
+            keys = ds.keys(args.sort_key, cache=False)
+        except KeyError as e:  # a sample without the field: the dataset's own words, on one line
+            raise TorchforgeError(f"--sort-key {args.sort_key!r}: {e.args[0] if e.args else e}",
+                                  path=args.path) from None
+        order = np.argsort(keys, kind="stable")[:n]
         run("sort", order, setup_s=time.perf_counter() - t0)  # the key pass counts
     print(f"{args.path} ({ds.format_name}, {len(ds)} samples)")
     for name, cnt, rate in rows:
@@ -427,7 +463,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--to", required=True, choices=["jinx", "mds", "safetensors"])
-    c.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+    c.add_argument("-o", "--option", action="append", default=[], type=_key_value, metavar="KEY=VALUE",
                    help="a writer option, e.g. -o compression=zst -o shard_size=67108864 (jinx; "
                         "mds: size_limit, hashes=sha1,xxh64; safetensors: max_shard_size)")
     c.add_argument("--columns", help="MDS columns as JSON, e.g. '{\"id\": \"int\"}' (default: inferred)")
@@ -440,7 +476,7 @@ def _parser() -> argparse.ArgumentParser:
                             "store, a checkpoint folder)")
     i.add_argument("path")
     i.add_argument("--json", action="store_true")
-    i.add_argument("--max-shards", type=int, default=10)
+    i.add_argument("--max-shards", type=_count, default=10, help="shards listed (default: 10)")
     i.set_defaults(func=cmd_inspect)
 
     v = sub.add_parser("verify", parents=url,
@@ -453,7 +489,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("path")
     b.add_argument("--field", help="field to touch in each sample (default: none)")
     b.add_argument("--sort-key", help="field to sort by (default: no sort pass)")
-    b.add_argument("--limit", type=int, default=0, help="samples per pass (default: all)")
+    b.add_argument("--limit", type=_count, default=0, help="samples per pass (default: 0, all)")
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=cmd_bench)
     return p

@@ -35,6 +35,7 @@ from torchforge.formats.jinx_codec import (
     load_npy,
     load_pt,
 )
+from torchforge.formats.safetensors import open_regular
 from torchforge.formats.values import ByteView, byte_view
 from torchforge.formats.values import _getitem as _slice
 from torchforge.lazy import Decoder, LazySample, lazy_sample
@@ -66,7 +67,7 @@ def sidecar_path(path: str) -> str:
 
 
 def _mmap_file(path: str) -> tuple[Any, memoryview]:
-    with open(path, "rb") as f:
+    with open_regular(path, FormatError) as f:  # (open() blocks for ever on a FIFO)
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             return None, memoryview(b"")
