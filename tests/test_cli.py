@@ -453,3 +453,28 @@ def test_verify_reports_a_shard_missing_from_a_jinx_chain(fixture_copy, capsys, 
     assert main(["verify", folder]) == 1
     out = capsys.readouterr().out
     assert f"none here has number [{int(lost[-5:])}]" in out and "DAMAGED" in out
+
+
+@pytest.mark.parametrize("index", [b"", b'{"version": 2, "sh', b'{"shards": {}}', b"\xff\xfe{", b"[" * 100000])
+def test_a_damaged_mds_index_is_named_not_taken_for_no_dataset(fixture_copy, capsys, index):
+    """An index.json cut short or not an MDS index was 'not a dataset of any known format'."""
+    folder = fixture_copy("mds-streaming-none")
+    with open(os.path.join(folder, "index.json"), "wb") as f:
+        f.write(index)
+    assert main(["inspect", folder]) == 1
+    err = capsys.readouterr().err
+    assert os.path.join(folder, "index.json") in err and "known format" not in err
+
+
+def test_verify_counts_a_hash_it_cannot_compute_as_no_checksum(fixture_copy, capsys):
+    folder = fixture_copy("mds-streaming-none")
+    path = os.path.join(folder, "index.json")
+    with open(path) as f:
+        index = json.load(f)
+    for shard in index["shards"]:
+        (shard.get("zip_data") or shard["raw_data"])["hashes"] = {"md7": "0000"}
+    with open(path, "w") as f:
+        json.dump(index, f)
+    assert main(["verify", folder]) == 0
+    n = len(index["shards"])
+    assert f"NOTE {n} of {n} shards carry no checksum this machine can compute" in capsys.readouterr().out

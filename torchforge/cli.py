@@ -327,8 +327,8 @@ def _note_unhashed(ds: Any, notes: list[str] | None) -> None:
 
     bare, n = unhashed_shards(ds)
     if notes is not None and bare:
-        notes.append(f"{bare} of {n} shards carry no checksum ({ds.format_name}"
-                     f"{': its writer recorded no hashes' if ds.format_name == 'mds' else ' records none'}): "
+        notes.append(f"{bare} of {n} shards carry no checksum this machine can compute ({ds.format_name}"
+                     f"{': no hashes, or of unknown algorithms' if ds.format_name == 'mds' else ' records none'}): "
                      "a changed byte in them is found only where it no longer decodes")
 
 
