@@ -478,3 +478,24 @@ def test_verify_counts_a_hash_it_cannot_compute_as_no_checksum(fixture_copy, cap
     assert main(["verify", folder]) == 0
     n = len(index["shards"])
     assert f"NOTE {n} of {n} shards carry no checksum this machine can compute" in capsys.readouterr().out
+
+
+def test_verify_of_shard_files_named_alone_counts_no_chain(fixture_copy, capsys):
+    folder = fixture_copy("jinx-b64-multishard")
+    shards = sorted(n for n in os.listdir(folder) if n.endswith(".jinx"))
+    for name in (shards[0], shards[5], shards[-1]):  # the chain's end alone is no chain missing its start
+        assert main(["verify", os.path.join(folder, name)]) == 0, capsys.readouterr().out
+
+
+def test_a_half_deleted_old_destination_is_not_put_back(tmp_path, fixture_copy, capsys):
+    """A convert killed while deleting the moved-aside old DST (the new one already in place) leaves a
+    .old folder with no stage beside it: when DST is gone later, that is no dataset to put back."""
+    from torchforge._proc import host_name
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    old = tmp_path / f".dst.converting-h{host_name()}-p{int(done.stdout)}.old"
+    old.mkdir()
+    (old / "shard.00007.mds").write_bytes(b"x" * 100)
+    assert main(["convert", fixture_copy("mds-streaming-none"), str(tmp_path / "dst"), "--to", "jinx", "-q"]) == 0
+    assert not old.exists() and min(os.listdir(tmp_path / "dst")).startswith("shard-")

@@ -794,3 +794,37 @@ def test_a_failed_overwrite_leaves_the_old_dataset_intact(env, tmp_path, to):
     assert not [k for k in env.keys(f"intact/{to}") if ".torchforge-upload-" in k]
     ds = torchforge.open_dataset(url, cache_dir=tmp_path / "read2", storage_options=env.opts)
     assert [s["id"] for s in ds] == [r["id"] for r in mds_rows(7, 9)]
+
+
+def test_an_overwrite_whose_server_side_copy_is_refused_uploads_that_file_again(env, tmp_path, monkeypatch):
+    """S3 copies at most 5 GiB in one request: a refused copy came after the old dataset was deleted, and
+    the URL was left empty. The local file is still there: it is uploaded again instead."""
+    url = f"s3://{BUCKET}/recopy/ds"
+    convert(_write_mds(tmp_path / "a", n=60), url, to="mds", cache_dir=env.cache, storage_options=env.opts,
+            size_limit=16384)
+    copy = FetcherClient.copy
+
+    def refuse_one(self, source, dst, **kw):
+        if dst.endswith("shard.00001.mds"):
+            raise RemoteError("InvalidRequest: the specified copy source is larger than the maximum allowable "
+                              "size for a copy source", url=dst)
+        return copy(self, source, dst, **kw)
+
+    monkeypatch.setattr(FetcherClient, "copy", refuse_one)
+    convert(_write_mds(tmp_path / "b", n=60, seed=9), url, to="mds", cache_dir=env.cache, storage_options=env.opts,
+            overwrite=True, size_limit=16384)
+    ds = torchforge.open_dataset(url, cache_dir=tmp_path / "read", storage_options=env.opts)
+    assert [s["id"] for s in ds] == [r["id"] for r in mds_rows(60, 9)]
+    assert not [k for k in env.keys("recopy/ds") if ".torchforge-upload-" in k]
+
+
+def test_an_overwrite_at_a_file_url_leaves_no_staging_folder(tmp_path):
+    from torchforge.remote.upload import upload
+
+    dst = tmp_path / "out"
+    for seed in (3, 9):
+        local = tmp_path / f"mds-{seed}"
+        convert(_write_mds(tmp_path / f"src-{seed}", n=20, seed=seed), str(local), to="mds")
+        upload(local, f"file://{dst}", overwrite=True, cache_dir=tmp_path / "cache")
+    assert sorted(os.listdir(dst)) == ["index.json", "shard.00000.mds"]
+    assert [s["id"] for s in torchforge.open_dataset(str(dst))] == [r["id"] for r in mds_rows(20, 9)]

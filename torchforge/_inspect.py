@@ -95,11 +95,13 @@ def _jinx_checks(ds: Any) -> list[TorchforgeError]:
     shards are renamed) from 0 to the one that ends the chain, and none of those numbers is missing.
     Opening reads what is there (a folder holding the chain's end is read whole); a shard deleted from
     the middle or the front would be samples lost without a word."""
-    if ds.format_name != "jinx" or getattr(ds, "split", None) is not None:  # (a split keeps some shards only)
+    named = getattr(ds, "chain_folders", None)  # (shard files named alone are no chain to count)
+    if ds.format_name != "jinx" or not named or getattr(ds, "split", None) is not None:  # (a split: some shards)
         return []
-    folders: dict[str, list[Any]] = {}
+    folders: dict[str, list[Any]] = {f: [] for f in named}
     for shard in ds.shards:
-        folders.setdefault(os.path.dirname(shard.path), []).append(shard)
+        if os.path.dirname(shard.path) in folders:
+            folders[os.path.dirname(shard.path)].append(shard)
     problems: list[TorchforgeError] = []
     for folder, shards in sorted(folders.items()):
         ids = [s.footer.get("shard_id") for s in shards]

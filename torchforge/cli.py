@@ -158,8 +158,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _put_back_moved_aside(dst: str) -> None:
     """A convert killed between its two renames (DST moved aside, the new one not yet in place) left the
-    old DST under ``.<name>.converting-h<host>-p<pid>.old`` and no DST: put it back, before anything
-    else looks at DST (the clean-up of dead converts' folders deleted it, and DST was lost)."""
+    old DST under ``.<name>.converting-h<host>-p<pid>.old``, its new dataset beside it and no DST: put
+    the old one back, before anything else looks at DST (the clean-up of dead converts' folders deleted
+    it, and DST was lost). A ``.old`` with no stage beside it is what a convert killed while deleting
+    it left, after the new DST took its place: not put back (its files are half gone)."""
     parent = os.path.dirname(os.path.abspath(dst))
     if os.path.lexists(dst) or not os.path.isdir(parent):
         return
@@ -167,7 +169,7 @@ def _put_back_moved_aside(dst: str) -> None:
     aside = re.compile(rf"\.{re.escape(base)}\.converting-h{re.escape(host_name())}-p(\d+)\.old")
     for name in sorted(os.listdir(parent)):
         m = aside.fullmatch(name)
-        if m and not pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))) and os.path.isdir(os.path.join(parent, name[:-len(".old")])):
             os.rename(os.path.join(parent, name), dst)
             return
 

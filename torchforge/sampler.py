@@ -105,7 +105,8 @@ class GlobalSampler(torch.utils.data.Sampler[int]):
         SamplerError: an invalid option, sort keys that are not one per sample, or with
             ``shard_affinity``: no shard boundaries, sizes that do not add up, a local world size
             that does not divide the world size, a node without samples, ``LOCAL_RANK`` that is not
-            ``rank % LOCAL_WORLD_SIZE``.
+            ``rank % LOCAL_WORLD_SIZE`` (checked when the rank comes from torch.distributed and the local
+            world size from ``LOCAL_WORLD_SIZE``).
 
     Iterating yields Python ints. :meth:`indices` returns any range of this rank's positions as one
     numpy array and :meth:`chunks` streams the pass as arrays (the fast paths for loaders).

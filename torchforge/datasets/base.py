@@ -201,7 +201,8 @@ def register_format(name: str, dataset_cls: type, detect: Callable[[str], bool])
 
     Args:
         name: the format's name (``"jinx"``, ``"mds"``, ``"safetensors"``).
-        dataset_cls: called as ``dataset_cls(path)`` by :func:`open_dataset`.
+        dataset_cls: called as ``dataset_cls(path, **kwargs)`` by :func:`open_dataset`, with its keyword
+            arguments.
         detect: ``detect(folder) -> bool``, cheap (looks at file names, at most a few bytes).
     """
     _FORMATS[name] = (dataset_cls, detect)
@@ -233,8 +234,10 @@ def open_dataset(path: str | os.PathLike, **kwargs: Any) -> ShardDataset:
     storage, and a ``file://`` URL the local files in place, with the local classes (the URL options are
     checked, then left out where the local class has no such option)
     (:class:`~torchforge.datasets.remote.RemoteMDSDataset`,
-    :class:`~torchforge.datasets.remote.RemoteJinxDataset`, whose options ``cache_dir``, ``cache_limit``,
-    ``mode`` and ``storage_options`` it takes).
+    :class:`~torchforge.datasets.remote.RemoteJinxDataset`,
+    :class:`~torchforge.datasets.remote.RemoteSafetensorsDataset`, whose options ``cache_dir``,
+    ``cache_limit``, ``mode``, ``cache_policy`` and ``storage_options`` it takes). Other keyword arguments
+    go to the dataset class (``split=`` for JINX, say).
 
     >>> ds = open_dataset("data/train")  # doctest: +SKIP
     """

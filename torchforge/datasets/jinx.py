@@ -119,6 +119,8 @@ class JinxDataset(ShardDataset):
         self.on_error = on_error
         self.skipped = 0
         self._all_paths, folders = _shard_paths(path_or_paths)  # never empty: _shard_paths raises first
+        #: the folders named (each a whole chain of shards; files named alone are not)
+        self.chain_folders = [os.path.dirname(found[0]) for found in folders]
         ensure_open_files(2 * len(self._all_paths), "JinxDataset")  # a map per shard and per sidecar
         shards = [JinxShard(p) for p in self._all_paths]
         opened = dict(zip(self._all_paths, shards))

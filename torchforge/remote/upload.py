@@ -22,6 +22,7 @@ server, phase by phase. All object I/O goes through the node's fetcher (:mod:`to
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import re
@@ -33,13 +34,15 @@ from typing import Any
 
 from torchforge._proc import host_name
 from torchforge.remote.client import FetcherClient, _writable, connect
-from torchforge.remote.errors import RemoteExistsError, RemoteNotFoundError, RemoteReadOnlyError
+from torchforge.remote.errors import RemoteError, RemoteExistsError, RemoteNotFoundError, RemoteReadOnlyError
+from torchforge.remote.url import local_path
 
 __all__ = ["UPLOADS", "check_destination", "publish_phases", "upload"]
 
 log = logging.getLogger(__name__)
 
 UPLOADS = 4  # files uploaded at once (each one multipart above obstore's part size)
+COPY_LIMIT = 5 << 30  # the largest object one server-side copy takes (S3's CopyObject); above it, PUT again
 _INDEX = "index.json"
 #: The files an overwrite replaces (any other object at the destination is kept): MDS indexes and shards
 #: (``shard.00000.mds``, ``.mds.zstd``), JINX shards and sidecars, safetensors shards.
@@ -179,7 +182,14 @@ def upload(local: str | os.PathLike, url: str, *, overwrite: bool = False,
             on_file(f"{url}/{rel}", info.size)
 
     def copy(c: FetcherClient, rel: str) -> None:
-        c.copy(f"{stage}/{rel}", f"{url}/{rel}", storage_options=storage_options)
+        path = os.path.join(local, *rel.split("/"))
+        if os.path.getsize(path) <= COPY_LIMIT:
+            try:
+                c.copy(f"{stage}/{rel}", f"{url}/{rel}", storage_options=storage_options)
+                return
+            except RemoteError as e:  # a copy the store refuses: the local file is still here to send
+                log.debug("server-side copy of %s/%s failed (%s): uploading it again", stage, rel, e)
+        c.put(f"{url}/{rel}", path, storage_options=storage_options)  # (S3 copies one request up to 5 GiB)
 
     try:
         if stage is None:
@@ -192,6 +202,10 @@ def upload(local: str | os.PathLike, url: str, *, overwrite: bool = False,
         finally:
             _remove(client, [f"{stage}/{rel}" for phase in phases for rel in phase], storage_options,
                     f"the staging prefix {stage}")
+            if stage.lower().startswith("file://"):  # a local store keeps the emptied folders
+                for here, _, _ in os.walk(local_path(stage), topdown=False):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(here)
     finally:
         for c in clients:
             c.close()
