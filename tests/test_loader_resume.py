@@ -201,13 +201,47 @@ def test_state_of_a_loader_never_iterated_changes_nothing():
         return DataLoader(Noisy(), BS, shuffle=True, num_workers=2, persistent_workers=True)
 
     torch.manual_seed(3)
-    want = [_flat(b) for b in make()]
     fresh = make().state_dict()
     assert fresh["finished"] and fresh["batches"] == 0
-    torch.manual_seed(3)
+    want = [_flat(b) for b in make()]
+    torch.manual_seed(99)  # another process, seeded otherwise
     loader = make()
     loader.load_state_dict(fresh)
-    assert [_flat(b) for b in loader] == want  # the base seed is drawn as usual, not taken from the state
+    # the base seed and the order are drawn as usual, from torch's generator as the saved run had it
+    assert [_flat(b) for b in loader] == want
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("where", ["mid-epoch", "boundary"])
+def test_the_epochs_after_a_resume_are_the_saved_runs_with_no_generator(workers, where):
+    """shuffle=True without generator=: the loader draws each epoch's order from torch's generator. A
+    resumed process seeded as the first was (the usual script) drew the next epoch in the first epoch's
+    order: the loaded state now puts torch's generator back where the saved run's was."""
+    ds = list(range(24))
+
+    def make():
+        return DataLoader(ds, 4, shuffle=True, num_workers=workers)
+
+    torch.manual_seed(0)
+    loader = make()
+    full = [b.tolist() for b in loader] + [b.tolist() for b in loader] + [b.tolist() for b in loader]
+    torch.manual_seed(0)
+    first = make()
+    cut = 3 if where == "mid-epoch" else 6
+    it = iter(first)
+    got = [next(it).tolist() for _ in range(cut)]
+    if where == "boundary":
+        assert next(it, None) is None
+    state = json.loads(json.dumps(first.state_dict()))
+    del it, first
+    torch.manual_seed(0)  # the same script, started again
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [b.tolist() for b in resumed] + [b.tolist() for b in resumed]
+    if where == "mid-epoch":  # (the first pass was the rest of the first epoch)
+        rest += [b.tolist() for b in resumed]
+    assert got + rest == full
+    assert full[6:12] != full[:6]
 
 
 def test_loader_never_overrides_a_state_loaded_into_the_sampler():

@@ -15,7 +15,7 @@ from torch.utils.data.dataloader import _DatasetKind
 from torchforge.loader.fetch import carried_part
 from torchforge.loader.iterator import InProcessIter, WorkerIter
 from torchforge.loader.slabs import SlabPool
-from torchforge.loader.state import STATE_VERSION, Position, sampler_of, set_rng
+from torchforge.loader.state import STATE_VERSION, Position, get_rng, sampler_of, set_rng
 
 __all__ = ["DataLoader"]
 
@@ -151,11 +151,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         state = pos.state_dict(self, self._dataset_kind == _DatasetKind.Iterable)
         if state["finished"] and self.generator is not None:
             state["generator"] = self.generator.get_state().numpy().tobytes().hex()
+        if self.generator is None:  # the loader's next draws (seeds, a RandomSampler's order) come from it
+            state["global_rng"] = get_rng({"loader": None})["loader"]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next ``iter()`` yields exactly the batches the saved run
         would have yielded next (at any world size, with a ``GlobalSampler``).
+
+        A loader without ``generator=`` draws its seeds (and a ``RandomSampler`` its order) from torch's
+        global generator, as torch's does: loading a state puts that generator back where the saved run's
+        was at ``state_dict()``, so that later epochs are the saved run's too (a script that seeds
+        itself the same way at every start drew the epoch after a resume in its first epoch's order).
+        Seed torch after loading to draw otherwise; pass ``generator=`` to keep the loader off the global
+        generator.
 
         Raises:
             ValueError: what :meth:`check_state_dict` raises, before anything changed.
@@ -182,6 +191,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                              f"{str(state)[:200]}") from None
         if version not in (1, STATE_VERSION):
             raise ValueError(f"DataLoader state version {version} is not 1 or {STATE_VERSION}")
+        rng = state.get("global_rng")
+        if rng is not None and not (isinstance(rng, str) and len(rng) == 2 * torch.get_rng_state().numel()
+                                    and all(c in "0123456789abcdef" for c in rng)):
+            raise ValueError(f"the state's global_rng is not a hex-encoded state of torch's generator: {str(rng)[:60]}")
         target = sampler_of(self)
         saved = state["sampler"]
         if saved is not None and self._dataset_kind != _DatasetKind.Iterable and not callable(
@@ -202,6 +215,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def _load_state(self, state: dict[str, Any], finished: bool) -> None:
         target = sampler_of(self)
+        if self.generator is None and state.get("global_rng") is not None:
+            set_rng({"loader": None}, {"loader": state["global_rng"]})
         if self._iterator is not None:
             # persistent workers hold their dataset copies and random streams as this loader's last pass
             # left them: the state resumes on new ones, as in a fresh loader
