@@ -965,3 +965,52 @@ def test_a_loader_state_is_saved_by_every_rank_as_a_single_process_save_saves_it
     tuples as lists, and a tensor in it was a raw TypeError on every rank."""
     torch.multiprocessing.spawn(_keyed_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path / "ck")), nprocs=2,
                                 join=True)
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(9, 4)  # 9 rows over 2 ranks: uneven shards of the tied weight
+        self.mid = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 9, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def _tied_rank(rank: int, world: int, init: str, root: str, kind: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        m = _Tied()
+        if kind == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(m, mesh=init_device_mesh("cpu", (world,)))
+        else:
+            m = torch.nn.parallel.DistributedDataParallel(m)
+        Checkpointer(root, timeout=60).save(1, model=m, export_to=f"{root}-hf")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_tied_weights_are_saved_and_exported_once(tmp_path, kind):
+    """A distributed save wrote a tied weight under each of its names (twice the bytes), and export wrote
+    both keys, where the single-process save and transformers' save_pretrained write it once."""
+    root = str(tmp_path / "ck")
+    torch.multiprocessing.spawn(_tied_rank, args=(2, f"file://{tmp_path}/store", root, kind), nprocs=2, join=True)
+    ck = Checkpointer(root)
+    model_tensors = [n for n in ck.manifest(1)["tensors"] if n.startswith("model.")]
+    assert sorted(model_tensors) == ["model.emb.weight", "model.mid.bias", "model.mid.weight"]
+    exported = {}
+    for name in os.listdir(f"{root}-hf"):
+        if name.endswith(".safetensors"):
+            exported.update(load_file(os.path.join(f"{root}-hf", name)))
+    torch.manual_seed(0)
+    want = _Tied()
+    assert sorted(exported) == ["emb.weight", "mid.bias", "mid.weight"]
+    assert torch.equal(exported["emb.weight"], want.emb.weight.detach())
+    m = _Tied()
+    torch.nn.init.zeros_(m.emb.weight)
+    ck.restore(model=m)
+    assert m.head.weight is m.emb.weight and torch.equal(m.emb.weight, want.emb.weight)

@@ -59,6 +59,7 @@ from torchforge._proc import host_name, pid_alive
 from torchforge.checkpoint.digest import BlockDigest
 from torchforge.checkpoint.state import (
     TensorTable,
+    canonical_keys,
     check_fits,
     check_group_sizes,
     check_loader,
@@ -104,12 +105,42 @@ def tmp_name(step: int, pid: int | None = None, host: str | None = None, nonce: 
 
 # --- the state as items ------------------------------------------------------------------------------
 class _Items(TensorTable):
-    """A TensorTable that keeps DTensors as they are (no alias detection across ranks' shards)."""
+    """A TensorTable that keeps DTensors as they are. ``ties`` (the model's state keys -> the group of
+    names one parameter or buffer has: tied weights, an embedding shared with the LM head) stores each
+    group once, its later names referring to the first, as the single-process save stores them. The
+    groups come from the module tree, the same on every rank (a rank's local shard of a tied weight may
+    be empty, and its memory tells nothing)."""
+
+    def __init__(self, ties: dict[str, int] | None = None) -> None:
+        super().__init__()
+        self.ties = ties or {}
+        self._first: dict[int, str] = {}
 
     def add(self, name: str, t: torch.Tensor) -> str:
+        group = self.ties.get(name.removeprefix("model.")) if name.startswith("model.") else None
+        if group is not None and group in self._first:
+            return self._first[group]
         name = unique_name(name, self.tensors)  # (two values of one dotted name each keep theirs)
         self.tensors[name] = t.detach() if t.requires_grad else t  # a DTensor's detach costs a dispatch
+        if group is not None:
+            self._first[group] = name
         return name
+
+
+def _tie_groups(model: torch.nn.Module | None) -> dict[str, int]:
+    """State key (canonical: no wrapper attributes) -> group id, for the parameters and buffers that the
+    model holds under more than one name."""
+    if model is None:
+        return {}
+    names: dict[int, list[str]] = {}
+    for name, t in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                   model.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(t), []).append(name)
+    tied = [group for group in names.values() if len(group) > 1]
+    if not tied:
+        return {}
+    canon = canonical_keys(model, [n for group in tied for n in group])
+    return {canon[n]: g for g, group in enumerate(tied) for n in group}
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -418,7 +449,9 @@ def save_distributed(ck: Any, step: int, model: Any, optimizer: Any, extra: Any,
     try:  # what one rank alone may fail at: the others learn it in the plan's collective (no hang)
         model_state, optim_state = _canonical_state(ck, model, optimizer)
         if model_state is not None:
+            items.ties = _tie_groups(model)
             spec["model"] = encode(model_state, "model", items)
+            items.ties = {}
         if optim_state is not None:
             spec["optimizer"] = encode(optim_state, "optim", items)
         spec["extra"] = encode(extra, "extra", extra_items)
@@ -1001,8 +1034,11 @@ def model_tensors(folder: str, manifest: dict[str, Any]
     check_tensors(folder, manifest)
     stored = _names(spec["model"])
     reader = _Reader(folder, manifest)
-    names = {}
+    names, seen = {}, set()
     for key, name in stored.items():
+        if name in seen:  # a tied weight: exported once, under its first name (as save_pretrained does)
+            continue
+        seen.add(name)
         e = reader.entry(name)
         names[key] = (list(e["shape"]), torch_dtype(e["dtype"]))
     return names, lambda key: reader.whole(stored[key])
