@@ -5,7 +5,7 @@ The data: 20k synthetic chat samples (1-4 text turns and a 10-90 KiB incompressi
 threshold. Then, alternating the two readers run by run, best of ``--repeat`` runs:
 
 * iterate:        sequential pass reading one small field (``id``)
-* iterate+image:  sequential pass reading the image bytes (length and last byte)
+* iterate+image:  sequential pass reading every byte of each image (its crc32)
 * shuffle:        random access in a seeded global permutation, reading ``id``
 * sort:           key pass over a text field (the first message), argsort, access in sorted order
 
@@ -23,6 +23,7 @@ import gc
 import os
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -62,9 +63,8 @@ def task_iterate(ds: Any) -> int:
 
 def task_image(ds: Any) -> int:
     acc = 0
-    for s in ds:
-        img = s["image"]
-        acc += len(img) + img[-1]
+    for s in ds:  # every byte of the image is read (a zero-copy view would otherwise touch one page of it)
+        acc += zlib.crc32(s["image"])
     return acc
 
 

@@ -6,6 +6,9 @@ epoch's order and consuming it the way one rank's loader does:
 
 - ``torch``: ``DistributedSampler`` (``torch.randperm(n).tolist()``, then the rank's slice) read in
   batches with ``itertools.islice``, which is what torch's ``BatchSampler`` does;
+- ``torch-t``: the same permutation kept as a tensor (``torch.randperm``, the rank's strided slice) and
+  read in tensor slices per batch: what a user of torch who wants arrays of indices writes (the like for
+  like of ``batches`` and ``chunks``, which the two lines for those compare against);
 - ``ints``: ``GlobalSampler`` read the same way (Python ints; torchforge.DataLoader's path, through torch's
   ``BatchSampler``);
 - ``batches``: ``GlobalSampler.indices(b * B, (b + 1) * B)`` per batch, numpy (random access to any batch);
@@ -33,8 +36,8 @@ import subprocess
 import sys
 import time
 
-CONTENDERS = ("torch", "ints", "batches", "chunks", "bucketed")
-DEFAULT = "torch,ints,batches,chunks"
+CONTENDERS = ("torch", "torch-t", "ints", "batches", "chunks", "bucketed")
+DEFAULT = "torch,torch-t,ints,batches,chunks"
 
 
 def _rss_mb() -> float:
@@ -54,7 +57,18 @@ def _child(name: str, n: int, world: int, batch: int) -> dict:
     base = _rss_mb()
     t0 = time.perf_counter()
     count = total = 0
-    if name in ("torch", "ints"):
+    if name == "torch-t":  # DistributedSampler's order (seed + epoch, randperm, rank stride), as tensors
+        g = torch.Generator()
+        g.manual_seed(0)
+        perm = torch.randperm(n, generator=g)
+        if len(perm) % world:  # padded to a multiple of the world size, as DistributedSampler pads
+            perm = torch.cat([perm, perm[:world - len(perm) % world]])
+        mine = perm[0::world]
+        for lo in range(0, len(mine), batch):
+            a = mine[lo:lo + batch]
+            count += len(a)
+            total += int(a[0]) + int(a[-1])
+    elif name in ("torch", "ints"):
         if name == "torch":
             class _Len:
                 def __len__(self) -> int:
@@ -124,14 +138,17 @@ def main() -> None:
         counts = {r["count"] for r in res.values()}
         if len(counts) != 1:
             raise SystemExit(f"contenders streamed different counts: {counts}")
-        ref = res.get("torch")
         for name in names:
             r = res[name]
+            # arrays of indices against torch's arrays of indices (torch-t), Python ints against Python ints
+            ref_name = "torch-t" if name in ("batches", "chunks", "bucketed") and "torch-t" in res else "torch"
+            ref = res.get(ref_name)
             line = (f"n={n:>11,} {name:>8}: {r['seconds']:7.2f} s  peak RSS {r['peak_rss_mb']:8.0f} MB "
                     f"(before timing {r['import_rss_mb']:.0f} MB, epoch {r['peak_rss_mb'] - r['import_rss_mb']:7.0f} MB)")
-            if ref is not None and name != "torch":
+            if ref is not None and name not in ("torch", "torch-t"):
+                what = "DistributedSampler" if ref_name == "torch" else "randperm tensor slices"
                 line += (f"  time x{r['seconds'] / ref['seconds']:.2f}, peak RSS x{r['peak_rss_mb'] / ref['peak_rss_mb']:.3f}"
-                         f" (1/{ref['peak_rss_mb'] / r['peak_rss_mb']:.1f}) of DistributedSampler")
+                         f" (1/{ref['peak_rss_mb'] / r['peak_rss_mb']:.1f}) of {what}")
             print(line, flush=True)
 
 
