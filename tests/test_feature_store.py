@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchforge import DataLoader
+from torchforge import DataLoader, GlobalSampler
 from torchforge.errors import CorruptShardError, FormatError, NotFoundError, TorchforgeError
 from torchforge.features import FeatureStore, MissingIdsError
 from torchforge.features.layout import stale_temp_files
@@ -1288,3 +1289,31 @@ def test_commits_concurrent_with_prune_are_never_lost(tmp_path):
     ids = np.concatenate([np.arange(r * 1000, r * 1000 + 150) for r in range(3)])
     assert store.version == 45 and len(store) == 450
     _expect(store, ids)
+
+
+def test_a_join_keeps_the_datasets_shards_and_prefetch(written, tmp_path):
+    """GlobalSampler(store.join(ds), shard_affinity=True or bucket_size="shards") was refused (the join hid
+    the shard boundaries), and the loader never asked a joined remote dataset to prefetch."""
+    from torchforge.datasets.jinx import JinxDataset
+    from torchforge.formats.jinx import JinxWriter
+
+    with JinxWriter(str(tmp_path / "sh"), shard_size=1024) as w:
+        for i in range(60):
+            w.write({"id": i, "text": "x" * 40})
+    ds = JinxDataset(str(tmp_path / "sh"))
+    joined = written.join(ds, columns=["loss"], missing={"loss": -1})
+    assert list(joined.shard_sizes) == list(ds._counts) and len(ds._counts) > 2
+    for kw in ({"bucket_size": "shards"}, {"shard_affinity": True}):
+        assert list(GlobalSampler(joined, seed=0, **kw)) == list(GlobalSampler(ds, seed=0, **kw))
+    assert joined.prefetch is None  # a local dataset has none: the loader plans nothing
+
+    class Remote(JinxDataset):  # a dataset that prefetches, as the remote ones do
+        asked: ClassVar[list] = []
+
+        def prefetch(self, indices, **kw):
+            Remote.asked.append(list(indices))
+
+    joined = written.join(Remote(str(tmp_path / "sh")), columns=["loss"], missing={"loss": -1})
+    sampler = GlobalSampler(joined, seed=1)
+    assert len(list(DataLoader(joined, batch_size=8, sampler=sampler))) == 8
+    assert Remote.asked == [list(GlobalSampler(ds, seed=1))]

@@ -828,3 +828,29 @@ def test_an_overwrite_at_a_file_url_leaves_no_staging_folder(tmp_path):
         upload(local, f"file://{dst}", overwrite=True, cache_dir=tmp_path / "cache")
     assert sorted(os.listdir(dst)) == ["index.json", "shard.00000.mds"]
     assert [s["id"] for s in torchforge.open_dataset(str(dst))] == [r["id"] for r in mds_rows(20, 9)]
+
+
+def test_a_loader_state_is_refused_over_a_dataset_overwritten_since(env, tmp_path):
+    """A state saved mid-epoch over version 1 of a dataset, loaded over version 2 (overwritten at its URL with
+    as many samples): the rest of the pass was read from version 2, half of one epoch and half of another."""
+    from torchforge import DataLoader, GlobalSampler
+
+    url = f"s3://{BUCKET}/versioned/ds"
+    convert(_write_mds(tmp_path / "a", n=40), url, to="mds", cache_dir=env.cache, storage_options=env.opts)
+
+    def loader():
+        ds = torchforge.open_dataset(url, cache_dir=env.cache, storage_options=env.opts)
+        return DataLoader(ds, 4, sampler=GlobalSampler(ds, seed=0), collate_fn=lambda b: [s["id"] for s in b])
+
+    first = loader()
+    it = iter(first)
+    seen = [next(it) for _ in range(3)]
+    state = first.state_dict()
+    del it
+    again = loader()  # the same version: resumes
+    again.load_state_dict(state)
+    assert sorted(x for b in seen + list(again) for x in b) == [r["id"] for r in mds_rows(40, 3)]
+    convert(_write_mds(tmp_path / "b", n=40, seed=9), url, to="mds", cache_dir=env.cache, storage_options=env.opts,
+            overwrite=True)
+    with pytest.raises(ValueError, match="the dataset changed since the state was saved"):
+        loader().load_state_dict(state)

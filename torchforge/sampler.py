@@ -45,7 +45,7 @@ from torchforge._permute import EpochOrder, mix64
 from torchforge.datasets.base import ShardDataset, _dig, _to_key_array
 from torchforge.errors import TorchforgeError
 
-__all__ = ["GlobalSampler", "IterableShards", "SamplerError", "rendezvous_assign"]
+__all__ = ["GlobalSampler", "IterableShards", "SamplerError", "dataset_shard_sizes", "rendezvous_assign"]
 
 _CHUNK = 1 << 16  # positions computed per vectorised step when yielding Python ints
 _STATE_VERSION = 1
@@ -592,7 +592,7 @@ def _shard_sizes(dataset: Any, shard_sizes: Sequence[int] | np.ndarray | None, n
     """Per-shard sample counts: the explicit ones, else the dataset's; checked to add up to ``n``."""
     source = "shard_sizes"
     if shard_sizes is None:
-        shard_sizes, source = _dataset_shard_sizes(dataset)
+        shard_sizes, source = dataset_shard_sizes(dataset)
         if shard_sizes is None:
             raise SamplerError(f"{option} needs shard boundaries, and {type(dataset).__name__} has none: "
                                "pass shard_sizes=[samples of each shard, in index order]")
@@ -610,7 +610,7 @@ def _shard_sizes(dataset: Any, shard_sizes: Sequence[int] | np.ndarray | None, n
     return sizes
 
 
-def _dataset_shard_sizes(dataset: Any) -> tuple[Any, str]:
+def dataset_shard_sizes(dataset: Any) -> tuple[Any, str]:
     """The dataset's per-shard counts and where they came from, or ``(None, "")``.
 
     Read, in order: a ``shard_sizes`` attribute or method, the ``samples`` of MDS ``metas``, the per-shard

@@ -101,6 +101,25 @@ class JoinedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
+    @property
+    def shard_sizes(self) -> Any:
+        """The joined dataset's samples per shard (None without shards): the join keeps its indices, so a
+        GlobalSampler's ``shard_affinity`` and ``bucket_size="shards"`` apply to it unchanged."""
+        from torchforge.sampler import dataset_shard_sizes
+
+        return dataset_shard_sizes(self.dataset)[0]
+
+    @property
+    def version(self) -> Any:
+        """The joined dataset's pinned version (a remote dataset's), or None."""
+        return getattr(self.dataset, "version", None)
+
+    @property
+    def prefetch(self) -> Any:
+        """The joined dataset's ``prefetch`` (a remote dataset's), or None: torchforge's DataLoader plans
+        the fetches of a pass in the sampler's order through the join as without it."""
+        return getattr(self.dataset, "prefetch", None)
+
     def __getitem__(self, i: int) -> Any:
         return self.__getitems__([i])[0]
 

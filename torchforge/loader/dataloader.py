@@ -25,6 +25,13 @@ _ON_ERROR = ("raise", "skip")
 _TORCH_TAKES_IN_ORDER = "in_order" in inspect.signature(torch.utils.data.DataLoader.__init__).parameters
 
 
+def _dataset_version(dataset: Any) -> str | None:
+    """The version a dataset pins (a remote dataset's: its index's or objects' ETags), through a
+    FeatureStore join; None where it has none."""
+    version = getattr(dataset, "version", None)
+    return version if isinstance(version, str) else None
+
+
 class DataLoader(torch.utils.data.DataLoader[T_co]):
     """A drop-in ``torch.utils.data.DataLoader``: the same arguments, defaults, checks, warnings and
     batches, loaded by worker processes that hand batches over in shared memory.
@@ -153,6 +160,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             state["generator"] = self.generator.get_state().numpy().tobytes().hex()
         if self.generator is None:  # the loader's next draws (seeds, a RandomSampler's order) come from it
             state["global_rng"] = get_rng({"loader": None})["loader"]
+        version = _dataset_version(self.dataset)
+        if version is not None:  # a remote dataset's pinned version: the state resumes over that one only
+            state["dataset_version"] = version
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -195,6 +205,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if rng is not None and not (isinstance(rng, str) and len(rng) == 2 * torch.get_rng_state().numel()
                                     and all(c in "0123456789abcdef" for c in rng)):
             raise ValueError(f"the state's global_rng is not a hex-encoded state of torch's generator: {str(rng)[:60]}")
+        saved_version, version = state.get("dataset_version"), _dataset_version(self.dataset)
+        if saved_version is not None and version is not None and saved_version != version:
+            raise ValueError(f"the dataset changed since the state was saved (version {saved_version}, now "
+                             f"{version}: overwritten at its URL): resuming its pass would mix the two; resume over "
+                             "the dataset the state was saved with, or begin the epoch anew")
         target = sampler_of(self)
         saved = state["sampler"]
         if saved is not None and self._dataset_kind != _DatasetKind.Iterable and not callable(
