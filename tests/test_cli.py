@@ -499,3 +499,14 @@ def test_a_half_deleted_old_destination_is_not_put_back(tmp_path, fixture_copy, 
     (old / "shard.00007.mds").write_bytes(b"x" * 100)
     assert main(["convert", fixture_copy("mds-streaming-none"), str(tmp_path / "dst"), "--to", "jinx", "-q"]) == 0
     assert not old.exists() and min(os.listdir(tmp_path / "dst")).startswith("shard-")
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
+    from torchforge import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_verify", interrupted)
+    assert main(["verify", str(tmp_path)]) == 130
+    assert capsys.readouterr().err == "torchforge verify: interrupted\n"

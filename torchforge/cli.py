@@ -507,6 +507,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TorchforgeError, ValueError, OSError) as e:  # bad data, options or paths: one line, no traceback
         print(f"torchforge {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: what was being written is cleaned up already (a convert's stage)
+        print(f"torchforge {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
