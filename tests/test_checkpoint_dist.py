@@ -1014,3 +1014,42 @@ def test_tied_weights_are_saved_and_exported_once(tmp_path, kind):
     torch.nn.init.zeros_(m.emb.weight)
     ck.restore(model=m)
     assert m.head.weight is m.emb.weight and torch.equal(m.emb.weight, want.emb.weight)
+
+
+def _rng_save(root: str) -> None:
+    from torchforge import DataLoader, GlobalSampler
+
+    dist.init_process_group("gloo", init_method=f"file://{root}/rv1", rank=0, world_size=1)
+    try:
+        torch.manual_seed(1234)
+        loader = DataLoader(list(range(64)), batch_size=4, sampler=GlobalSampler(64, seed=0))
+        it = iter(loader)
+        next(it)
+        Checkpointer(os.path.join(root, "ck"), timeout=60).save(1, model=torch.nn.Linear(2, 2), loader=loader)
+    finally:
+        dist.destroy_process_group()
+
+
+def _rng_restore(rank: int, root: str) -> None:
+    from torchforge import DataLoader, GlobalSampler
+
+    dist.init_process_group("gloo", init_method=f"file://{root}/rv2", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(1000 + rank)  # each rank seeded apart, as the script does
+        loader = DataLoader(list(range(64)), batch_size=4, sampler=GlobalSampler(64, seed=0))
+        Checkpointer(os.path.join(root, "ck"), timeout=60).restore(model=torch.nn.Linear(2, 2), loader=loader)
+        out: list = [None, None]
+        dist.all_gather_object(out, torch.rand(3).tolist())
+        assert out[0] != out[1], out  # was: rank 0's saved generator on every rank
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_elastic_restore_leaves_each_ranks_generator_its_own(tmp_path):
+    """A loader state remapped to another world size is rank 0's, whose torch generator state every rank
+    then took: ranks seeded apart drew the same numbers (dropout, augmentations) from then on."""
+    p = torch.multiprocessing.get_context("spawn").Process(target=_rng_save, args=(str(tmp_path),))
+    p.start()
+    p.join()
+    assert p.exitcode == 0
+    torch.multiprocessing.spawn(_rng_restore, args=(str(tmp_path),), nprocs=2, join=True)

@@ -755,3 +755,24 @@ def test_len_of_a_resumed_loader_is_the_epochs(workers):
     assert len(got) + len(rest) == 13 and sorted(x for b in got + rest for x in b) == ds
     assert resumed.sampler.pass_length() == 30  # the resumed pass: what was left of the epoch
     assert len([b for b in resumed]) == 13
+
+
+def test_state_dict_of_a_loaded_loader_holds_the_generator_as_it_is_now():
+    """Loaded, then seeded again before the next pass: state_dict() still gave the loaded generator state,
+    and a run resumed from it shuffled that pass otherwise than the run it was saved from."""
+    def make():
+        return DataLoader(list(range(16)), 4, shuffle=True)
+
+    torch.manual_seed(0)
+    first = make()
+    _ = [b for b in first]
+    state = first.state_dict()
+    b = make()
+    b.load_state_dict(state)
+    torch.manual_seed(7)  # seeding after loading wins
+    saved = b.state_dict()
+    want = [x.tolist() for x in b]
+    c = make()
+    torch.manual_seed(99)
+    c.load_state_dict(saved)
+    assert [x.tolist() for x in c] == want

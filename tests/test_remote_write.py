@@ -852,5 +852,31 @@ def test_a_loader_state_is_refused_over_a_dataset_overwritten_since(env, tmp_pat
     assert sorted(x for b in seen + list(again) for x in b) == [r["id"] for r in mds_rows(40, 3)]
     convert(_write_mds(tmp_path / "b", n=40, seed=9), url, to="mds", cache_dir=env.cache, storage_options=env.opts,
             overwrite=True)
-    with pytest.raises(ValueError, match="the dataset changed since the state was saved"):
+    with pytest.raises(ValueError, match="the dataset is not the one the state was saved over"):
         loader().load_state_dict(state)
+
+
+def test_a_loader_state_resumes_over_a_server_side_copy_of_its_jinx_dataset(env, tmp_path):
+    """A JINX dataset's version hashed its objects' URLs: a copy in another folder of the bucket, the same
+    bytes and ETags, was refused as another version."""
+    from torchforge import DataLoader, GlobalSampler
+
+    src, dst = f"s3://{BUCKET}/orig/ds", f"s3://{BUCKET}/copy/ds"
+    convert(_write_mds(tmp_path / "a", n=40), src, to="jinx", cache_dir=env.cache, storage_options=env.opts,
+            shard_size=4096)
+    for key in env.keys("orig/ds"):
+        env.s3.copy_object(Bucket=BUCKET, Key=key.replace("orig/", "copy/", 1),
+                           CopySource={"Bucket": BUCKET, "Key": key})
+
+    def loader(url):
+        ds = torchforge.open_dataset(url, cache_dir=env.cache, storage_options=env.opts)
+        return DataLoader(ds, 4, sampler=GlobalSampler(ds, seed=0), collate_fn=lambda b: [s["id"] for s in b])
+
+    first = loader(src)
+    it = iter(first)
+    seen = [next(it) for _ in range(3)]
+    state = first.state_dict()
+    del it
+    again = loader(dst)
+    again.load_state_dict(state)
+    assert sorted(x for b in seen + list(again) for x in b) == [r["id"] for r in mds_rows(40, 3)]

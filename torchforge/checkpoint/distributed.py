@@ -1172,7 +1172,10 @@ def _loader_state(folder: str, manifest: dict[str, Any], rank: int, world: int) 
     if problems:
         raise CheckpointError(f"the DataLoader state saved at world size {saved_world} cannot be remapped to "
                               f"world size {world}: {'; '.join(problems)}", path=folder)
-    return _decoded(folder, manifest, 0, infos[0], states[0], "DataLoader state")
+    state = _decoded(folder, manifest, 0, infos[0], states[0], "DataLoader state")
+    if isinstance(state, dict):  # torch's generator is each rank's own: rank 0's would be every rank's
+        state.pop("global_rng", None)
+    return state
 
 
 def rank_state(folder: str, manifest: dict[str, Any], rank: int, world: int, map_location: Any) -> Any:

@@ -26,9 +26,12 @@ _TORCH_TAKES_IN_ORDER = "in_order" in inspect.signature(torch.utils.data.DataLoa
 
 
 def _dataset_version(dataset: Any) -> str | None:
-    """The version a dataset pins (a remote dataset's: its index's or objects' ETags), through a
-    FeatureStore join; None where it has none."""
-    version = getattr(dataset, "version", None)
+    """The version a dataset pins (a remote dataset's: its index's or objects' ETags and sizes, not its
+    URL: a byte-identical copy elsewhere is the same version where the stores give the same ETags), through
+    a FeatureStore join; None where it has none."""
+    version = getattr(dataset, "content_version", None)
+    if version is None:
+        version = getattr(dataset, "version", None)
     return version if isinstance(version, str) else None
 
 
@@ -150,7 +153,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         position in the pass, the sampler's and dataset's states, the worker seeds and per-worker
         dataset states (see :mod:`torchforge.loader.state`). Plain data."""
         if self._resume is not None or self._loaded_end is not None:  # loaded, not begun: what was loaded
-            return dict(self._resume if self._resume is not None else self._loaded_end)
+            state = dict(self._resume if self._resume is not None else self._loaded_end)
+            if self.generator is None and "global_rng" in state:  # as it is now (seeded since, or drawn from)
+                state["global_rng"] = get_rng({"loader": None})["loader"]
+            return state
         pos = self._pos
         if pos is None:  # no pass yet: a position at the end of a pass that never began
             pos = Position(max(self.num_workers, 1))
@@ -207,9 +213,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             raise ValueError(f"the state's global_rng is not a hex-encoded state of torch's generator: {str(rng)[:60]}")
         saved_version, version = state.get("dataset_version"), _dataset_version(self.dataset)
         if saved_version is not None and version is not None and saved_version != version:
-            raise ValueError(f"the dataset changed since the state was saved (version {saved_version}, now "
-                             f"{version}: overwritten at its URL): resuming its pass would mix the two; resume over "
-                             "the dataset the state was saved with, or begin the epoch anew")
+            raise ValueError(f"the dataset is not the one the state was saved over (version {saved_version}, now "
+                             f"{version}: overwritten at its URL since, or another copy): resuming its pass would mix "
+                             "the two; resume over the dataset the state was saved with, or begin the epoch anew "
+                             "(over a copy known to hold the same samples in the same order, drop the state's "
+                             "'dataset_version')")
         target = sampler_of(self)
         saved = state["sampler"]
         if saved is not None and self._dataset_kind != _DatasetKind.Iterable and not callable(

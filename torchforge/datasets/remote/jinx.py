@@ -11,7 +11,7 @@ import numpy as np
 import orjson
 
 from torchforge.datasets.jinx import JinxDataset, check_chain, next_name
-from torchforge.datasets.remote.shards import _RemoteShards, _Spans, as_urls, read_twice
+from torchforge.datasets.remote.shards import _RemoteShards, _Spans, as_urls, content_version, read_twice
 from torchforge.errors import CorruptShardError, FormatError, TorchforgeError
 from torchforge.formats.jinx_reader import LINE_PARSER, JinxShard
 from torchforge.lazy import lazy_sample
@@ -120,6 +120,8 @@ class RemoteJinxDataset(_RemoteShards, JinxDataset):
         self._jshards: list[JinxShard | None] = [None] * len(self._remote_objs)
         pinned = json.dumps(sorted((u, n, e) for u, n, e in listed.values()))
         self.version = hashlib.sha256(pinned.encode()).hexdigest()[:32]  # every object's ETag and size
+        #: the version without the URLs (a loader state's check: a byte-identical copy elsewhere is the same)
+        self.content_version = content_version(listed)
         self._folder = self._node_folder()
         self._warn_unversioned()
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchforge.datasets.remote.shards import _RemoteShards, _Spans, as_urls, read_twice
+from torchforge.datasets.remote.shards import _RemoteShards, _Spans, as_urls, content_version, read_twice
 from torchforge.datasets.safetensors import OFFSETS, SafetensorsDataset, check_offsets, check_whole
 from torchforge.errors import FormatError
 from torchforge.formats.safetensors import MAX_HEADER_SIZE, SafetensorsFile, parse_header, storage_shape
@@ -83,6 +83,8 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
             check_whole(metas, [listed[n][0] for n in names], self.url)
         pinned = json.dumps(sorted(listed[n] for n in names))
         self.version = hashlib.sha256(pinned.encode()).hexdigest()[:32]  # every shard's URL, size and ETag
+        #: the version without the URLs (a loader state's check: a byte-identical copy elsewhere is the same)
+        self.content_version = content_version({n: listed[n] for n in names})
         self._files = [""] * len(names)
         self._open = {}
         self._first = [0, *self._ends]

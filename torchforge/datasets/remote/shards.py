@@ -6,6 +6,7 @@ import bisect
 import contextlib
 import hashlib
 import itertools
+import json
 import logging
 import mmap
 import operator
@@ -55,6 +56,13 @@ def as_urls(names: Mapping[str, str]) -> Iterator[None]:
             e.args = (str(e),)
         raise
 
+
+
+def content_version(listed: Mapping[str, tuple[str, int, str | None]]) -> str:
+    """A dataset's version from its objects' names, sizes and ETags (``listed``: name -> (URL, size, ETag)),
+    without their URLs: a copy of it elsewhere whose store gives the same ETags has the same version."""
+    pinned = json.dumps(sorted((name, size, etag) for name, (_, size, etag) in listed.items()))
+    return hashlib.sha256(pinned.encode()).hexdigest()[:32]
 
 
 def read_twice(fn: Callable[[], Any]) -> Any:
