@@ -140,7 +140,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     # written beside DST and moved into place once whole: a conversion that fails leaves DST as it was
     base = os.path.basename(os.path.abspath(dst))
     # what converts into DST on this host left when killed (their finally never ran): a dataset's worth
-    drop_dead_stages(parent, rf"\.{re.escape(base)}\.converting-h{re.escape(host_name())}-p(\d+)(\.old)?")
+    drop_dead_stages(parent, _stage_pattern(base) + r"(\.old)?")
     stage = os.path.join(parent, f".{base}.converting-h{host_name()}-p{os.getpid()}")
     t0 = time.perf_counter()
     try:
@@ -156,6 +156,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return _converted(stats, args, time.perf_counter() - t0)
 
 
+def _stage_pattern(base: str) -> str:
+    """The names of the folders converts into ``base`` on this host write beside it (group 1: the pid)."""
+    return rf"\.{re.escape(base)}\.converting-h{re.escape(host_name())}-p(\d+)"
+
+
 def _put_back_moved_aside(dst: str) -> None:
     """A convert killed between its two renames (DST moved aside, the new one not yet in place) left the
     old DST under ``.<name>.converting-h<host>-p<pid>.old``, its new dataset beside it and no DST: put
@@ -166,7 +171,7 @@ def _put_back_moved_aside(dst: str) -> None:
     if os.path.lexists(dst) or not os.path.isdir(parent):
         return
     base = os.path.basename(os.path.abspath(dst))
-    aside = re.compile(rf"\.{re.escape(base)}\.converting-h{re.escape(host_name())}-p(\d+)\.old")
+    aside = re.compile(_stage_pattern(base) + r"\.old")
     for name in sorted(os.listdir(parent)):
         m = aside.fullmatch(name)
         if m and not pid_alive(int(m.group(1))) and os.path.isdir(os.path.join(parent, name[:-len(".old")])):

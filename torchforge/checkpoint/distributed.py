@@ -111,9 +111,9 @@ class _Items(TensorTable):
     groups come from the module tree, the same on every rank (a rank's local shard of a tied weight may
     be empty, and its memory tells nothing)."""
 
-    def __init__(self, ties: dict[str, int] | None = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.ties = ties or {}
+        self.ties: dict[str, int] = {}
         self._first: dict[int, str] = {}
 
     def add(self, name: str, t: torch.Tensor) -> str:
