@@ -1317,3 +1317,22 @@ def test_a_join_keeps_the_datasets_shards_and_prefetch(written, tmp_path):
     sampler = GlobalSampler(joined, seed=1)
     assert len(list(DataLoader(joined, batch_size=8, sampler=sampler))) == 8
     assert Remote.asked == [list(GlobalSampler(ds, seed=1))]
+
+
+def test_a_loader_state_over_a_join_records_its_datasets_version_as_without_it(written, tmp_path):
+    """The join forwarded a remote dataset's version (which hashes its URLs) and not the URL-free one a
+    loader state records: through a join, a copy of the dataset at another URL was refused."""
+    from torchforge.datasets.jinx import JinxDataset
+    from torchforge.formats.jinx import JinxWriter
+
+    with JinxWriter(str(tmp_path / "v")) as w:
+        for i in range(8):
+            w.write({"id": i})
+
+    class Pinned(JinxDataset):  # the two versions a remote dataset pins
+        version, content_version = "with-urls", "names-sizes-etags"
+
+    ds = Pinned(str(tmp_path / "v"))
+    bare = DataLoader(ds, 4).state_dict()
+    joined = DataLoader(written.join(ds, columns=["loss"], missing={"loss": -1}), 4).state_dict()
+    assert bare["dataset_version"] == joined["dataset_version"] == "names-sizes-etags"

@@ -115,6 +115,12 @@ class JoinedDataset(torch.utils.data.Dataset):
         return getattr(self.dataset, "version", None)
 
     @property
+    def content_version(self) -> Any:
+        """The joined dataset's version without its URLs (a remote dataset's), or None: what a loader state
+        records, through the join as without it."""
+        return getattr(self.dataset, "content_version", None)
+
+    @property
     def prefetch(self) -> Any:
         """The joined dataset's ``prefetch`` (a remote dataset's), or None: torchforge's DataLoader plans
         the fetches of a pass in the sampler's order through the join as without it."""
