@@ -14,7 +14,7 @@ import pytest
 import safetensors.numpy
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _forkserver import start_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -68,8 +68,7 @@ def _rank_main(rank, world, path, rendezvous):
 def test_three_gloo_ranks_write_concurrently_then_each_commits_a_version(tmp_path):
     path = str(tmp_path / "fs")
     FeatureStore(path, SCHEMA, create=True)
-    ctx = mp.start_processes(_rank_main, args=(3, path, str(tmp_path / "rdv")), nprocs=3, join=False,
-                             start_method="spawn")
+    ctx = start_ranks(_rank_main, args=(3, path, str(tmp_path / "rdv")), nprocs=3, join=False)
     while not ctx.join():
         pass
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
@@ -878,6 +877,24 @@ def test_join_adds_columns_lazily_in_workers(written, tmp_path, write_jinx):
         written.join(JinxDataset(str(tmp_path / "j")))[55]
 
 
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_a_join_reads_the_version_of_when_it_was_made_at_any_loader_setting(tmp_path, workers, persistent):
+    """The join held the store's own handle, which follows its writers' commits: after a commit between
+    epochs, epoch 2 read the new rows with 0 workers or fresh workers and the old ones with persistent
+    workers. It now reads the version of when it was made, in every worker and epoch."""
+    store = FeatureStore(tmp_path / "fs", {"loss": ((), torch.float32)}, create=True)
+    with store.writer() as w:
+        w.write(range(40, 50), loss=torch.zeros(10))
+    loader = DataLoader(store.join(_Samples(), missing=-1.0), batch_size=40, num_workers=workers,
+                        persistent_workers=persistent)
+    first = next(iter(loader))["loss"]
+    with store.writer() as w:
+        w.write(range(40, 50), loss=torch.ones(10))
+    assert store.version == 2 and store.get([40])["loss"].tolist() == [1.0]
+    assert torch.equal(next(iter(loader))["loss"], first) and first[:10].eq(0).all()
+    assert next(iter(DataLoader(store.join(_Samples(), missing=-1.0), batch_size=40)))["loss"][:10].eq(1).all()
+
+
 def _same_batch(a, b):
     assert a.keys() == b.keys()
     for k in a:
@@ -1150,6 +1167,38 @@ def test_values_a_column_cannot_hold_are_refused_not_wrapped(tmp_path):
         with pytest.raises(ValueError, match=f"missing= for column {match}"):
             st_.get([7, 99], missing=missing)
     assert st_.get([99], missing={"label": -128, "mask": 255, "h": float("inf")})["h"].tolist() == [float("inf")]
+
+
+@pytest.mark.parametrize(("dtype", "value"), [
+    (torch.uint8, torch.tensor([-1], dtype=torch.int8)), (torch.int8, torch.tensor([200], dtype=torch.uint8)),
+    (torch.int16, np.array([40000], np.uint16)), (torch.uint32, torch.tensor([-5], dtype=torch.int32)),
+    (torch.int64, np.array([2**63], np.uint64)), (torch.uint64, [-1])])
+def test_a_value_of_the_other_signedness_and_the_same_width_is_refused_not_wrapped(tmp_path, dtype, value):
+    """Between integer types of one width the cast back is exact (-1 -> 255 -> -1), so the check passed and
+    -1 into uint8 was stored as 255, a Python -1 into uint64 as 2**64 - 1; missing= the same."""
+    store = FeatureStore(tmp_path / "fs", {"x": ((), dtype)}, create=True)
+    with store.writer() as w:
+        with pytest.raises(ValueError, match="column 'x' .*cannot hold the value"):
+            w.write([3], x=value)
+        w.write([4], x=[7])
+    with pytest.raises(ValueError, match="missing= for column 'x'"):
+        store.get([5], missing=torch.as_tensor(value)[0])
+    assert store.get([4])["x"].tolist() == [7]
+
+
+def test_numpy_values_in_either_byte_order_and_uint64_defaults_past_int64_are_taken(tmp_path):
+    """A big-endian array ('>f4', read from a file) was refused with torch's byte-order error naming no
+    column; missing=2**64 - 1 (or np.uint64) for a uint64 column was refused as not fitting."""
+    store = FeatureStore(tmp_path / "fs", {"f": ((2,), torch.float32), "u": ((), torch.uint64)}, create=True)
+    with store.writer() as w:
+        w.write(np.array([1, 2], ">i8"), f=np.array([[1, 2], [3, 4]], ">f4")[:, ::-1],
+                u=np.array([2**64 - 1, 5], ">u8"))
+    got = store.get([1, 2])
+    assert got["f"].tolist() == [[2, 1], [4, 3]] and got["u"].tolist() == [2**64 - 1, 5]
+    for fill in (2**64 - 1, np.uint64(2**64 - 1)):
+        assert store.get([9], missing={"f": 0, "u": fill})["u"].tolist() == [2**64 - 1]
+    with pytest.raises(ValueError, match="missing= for column 'u'"):
+        store.get([9], missing={"f": 0, "u": 2**64})
 
 
 def test_a_shard_header_that_moves_a_column_is_a_typed_error_not_another_columns_values(tmp_path):

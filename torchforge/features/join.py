@@ -81,7 +81,9 @@ class JoinedDataset(torch.utils.data.Dataset):
 
     Args:
         dataset: a map-style dataset of mapping samples (any torchforge dataset).
-        store: the FeatureStore (its version is the one read, in every worker).
+        store: the FeatureStore. The join reads the version ``store`` reads when the join is made, in
+            every worker and every epoch, through a handle of its own (``store.at(store.version)``): the
+            store's later commits, its own writers' included, are read by a later join.
         key: the sample field holding the int64 id.
         columns: the store columns added: one name, several, or None (default) for all; they replace
             sample fields of the same name.
@@ -93,7 +95,7 @@ class JoinedDataset(torch.utils.data.Dataset):
     def __init__(self, dataset: Any, store: Any, *, key: str = "id", columns: str | Iterable[str] | None = None,
                  missing: Any = None):
         self.dataset = dataset
-        self.store = store
+        self.store = store.at(store.version)
         self.key = key
         self.columns = pick_columns(store.schema, columns)
         self.missing = missing

@@ -412,6 +412,20 @@ def _read_json(path: str) -> Any:
         raise FormatError(f"not valid JSON: {e}", path=path, offset=getattr(e, "pos", None)) from None
 
 
+def as_values(v: Any) -> torch.Tensor:
+    """A column's values (or a ``missing=`` default) as a tensor, before the cast to the column's dtype:
+    a numpy array as it is (its byte order made native), a numpy scalar or a Python int past int64 (a
+    uint64 column's ``2**64 - 1``) through numpy, anything else through ``torch.as_tensor``."""
+    if isinstance(v, torch.Tensor):
+        return v
+    if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+        v = np.asarray(v)  # uint64 when it fits there, else an object array, refused below
+    if isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biufc":
+        native = np.dtype(f"{v.dtype.kind}{v.dtype.itemsize}")  # native order, numpy's canonical type
+        return torch.from_numpy(np.ascontiguousarray(v, native).reshape(np.shape(v)))  # (a scalar stays 0-d)
+    return torch.as_tensor(v)
+
+
 def check_cast(v: torch.Tensor, out: torch.Tensor, name: str, ids: np.ndarray | None = None) -> None:
     """Refuse values an integer or bool column cannot hold (``out`` is ``v`` converted): 1000 into int8
     wrapped to -24, 2.7 into uint8 became 2, NaN into an integer. A floating column rounds as torch's casts
@@ -425,6 +439,9 @@ def check_cast(v: torch.Tensor, out: torch.Tensor, name: str, ids: np.ndarray | 
     bad = out.to(device=v.device, dtype=v.dtype) != v
     if v.dtype.is_floating_point or v.dtype.is_complex:
         bad |= torch.isnan(v)
+    elif out.dtype != torch.bool and v.dtype != torch.bool and v.dtype.is_signed != out.dtype.is_signed:
+        # between integers of one width the cast back is exact (-1 -> 255 -> -1): the sign tells
+        bad |= (v < 0) if v.dtype.is_signed else (out < 0)
     if bool(bad.any()):
         at = tuple(int(i) for i in bad.nonzero()[0])
         where = f" (row of id {int(ids[at[0]])})" if ids is not None and len(at) and at[0] < len(ids) else ""

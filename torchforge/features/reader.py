@@ -42,7 +42,15 @@ import torch
 from torchforge._vmem import HUGE_PAGE, map_at, reserve, round_up, unmap_with
 from torchforge.errors import CorruptShardError, TorchforgeError
 from torchforge.features.index import IdIndex
-from torchforge.features.layout import Manifest, Schema, ShardEntry, check_cast, column_spans, open_regular
+from torchforge.features.layout import (
+    Manifest,
+    Schema,
+    ShardEntry,
+    as_values,
+    check_cast,
+    column_spans,
+    open_regular,
+)
 from torchforge.formats.safetensors import parse_header
 from torchforge.loader import collate
 
@@ -312,7 +320,7 @@ def _default_row(missing: Any, name: str, schema: Schema) -> np.ndarray:
     col = schema[name]
     t = torch.empty(col.shape, dtype=col.dtype)
     try:
-        v = torch.as_tensor(value)
+        v = as_values(value)
         t.copy_(v)  # broadcasts a scalar
         check_cast(v.expand(t.shape), t, name)
     except (RuntimeError, TypeError, ValueError) as e:

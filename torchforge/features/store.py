@@ -215,7 +215,10 @@ class FeatureStore:
     def join(self, dataset: Any, key: str = "id", columns: str | Iterable[str] | None = None, *,
              missing: Any = None) -> Any:
         """``dataset`` with each sample gaining this store's columns for the sample's ``key`` field
-        (read lazily, in the loader's workers, one store lookup per batch); see JoinedDataset."""
+        (read lazily, in the loader's workers, one store lookup per batch); see JoinedDataset.
+
+        The join reads the version this handle reads now, in every worker and every epoch: a later commit
+        (this handle's own writers' included) is read by a join made after it."""
         from torchforge.features.join import JoinedDataset
 
         return JoinedDataset(dataset, self, key=key, columns=columns, missing=missing)

@@ -54,6 +54,7 @@ from torchforge.features.layout import (
     VERSIONS,
     Manifest,
     ShardEntry,
+    as_values,
     check_cast,
     claim_version,
     clean_leftovers,
@@ -249,11 +250,7 @@ class FeatureWriter:
                              f"{sorted(columns)}")
         rows = {}
         for name, col in self.schema.items():
-            v = columns[name]
-            if isinstance(v, np.ndarray):
-                v = torch.from_numpy(np.ascontiguousarray(v)) if v.dtype.kind in "biufc" else v
-            if not isinstance(v, torch.Tensor):
-                v = torch.as_tensor(v)
+            v = as_values(columns[name])
             if tuple(v.shape) != (n, *col.shape):
                 raise ValueError(f"column {name!r} has shape {tuple(v.shape)}, expected {(n, *col.shape)} "
                                  f"for {n} ids")
