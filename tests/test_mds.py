@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import torchforge
 from torchforge.datasets import base
 from torchforge.datasets.mds import MDSDataset, detect
-from torchforge.errors import CodecError, CorruptShardError, FormatError, TorchforgeError
+from torchforge.errors import CodecError, CorruptShardError, FormatError, NotFoundError, TorchforgeError
 from torchforge.formats import mds as mds_mod
 from torchforge.formats.mds import MDSWriter, hash_names
 from torchforge.formats.values import ByteView
@@ -596,3 +596,27 @@ def test_scalar_encodings_refuse_values_out_of_their_range_instead_of_wrapping_o
             get_encoding(name).encode(value)
     for name, value in (("float32", 0.1), ("float32", float("inf")), ("float64", 2**53 + 1), ("int64", True)):
         get_encoding(name).encode(value)  # rounding to the type's precision, and infinities, are the type's
+
+
+def test_a_rewrite_with_exist_ok_replaces_the_dataset_and_a_dead_one_leaves_no_index(tmp_path):
+    """MDSWriter(exist_ok=True) left the old dataset's files: a stale decompressed shard of the new shard's
+    size (one a reader leaves beside shard.00000.mds.gz) was read for the new data, and a rewrite that
+    died kept the old index over partly new shards (read as a mix). Streaming's writer empties the folder."""
+    out = tmp_path / "ds"
+    with MDSWriter(str(out), {"x": "int"}) as w:  # uncompressed: shard.00000.mds, as a decompressed copy
+        for i in range(10):
+            w.write({"x": i})
+    (out / "README").write_text("kept")
+    with MDSWriter(str(out), {"x": "int"}, compression="gz", exist_ok=True) as w:
+        for i in range(10):
+            w.write({"x": 100 + i})
+    assert sorted(os.listdir(out)) == ["README", "index.json", "shard.00000.mds.gz"]
+    assert [int(s["x"]) for s in MDSDataset(str(out))] == list(range(100, 110))
+    with pytest.raises(RuntimeError, match="died"), MDSWriter(str(out), {"x": "int"}, size_limit=64,
+                                                               exist_ok=True) as w:
+        for i in range(20):
+            w.write({"x": 1000 + i})
+        raise RuntimeError("died")
+    assert "index.json" not in os.listdir(out) and len(os.listdir(out)) > 2  # shards flushed, no index
+    with pytest.raises(NotFoundError):
+        MDSDataset(str(out))

@@ -15,9 +15,11 @@ The reader side lives in :mod:`torchforge.formats.mds_reader`.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 import struct
 import zlib
 from collections.abc import Callable
@@ -28,6 +30,7 @@ from typing import Any, Self
 from torchforge.codecs import Codec, parse_compression
 from torchforge.errors import CodecError, FormatError, TorchforgeError
 from torchforge.formats.mds_encodings import Encoding, get_encoding
+from torchforge.formats.safetensors import fsync_dir
 from torchforge.formats.values import BYTES_LIKE, as_bytes
 from torchforge.sizes import parse_size
 
@@ -153,6 +156,22 @@ def _parse_size(size_limit: int | str | None) -> int | None:
     return value or None
 
 
+_DATASET_FILE = re.compile(r"shard\.\d{5,}\.[a-z]+(\.[a-z0-9]+)?|\.?index\.json(\.tmp)?")
+
+
+def _remove_dataset(folder: str) -> None:
+    """Remove the MDS dataset in ``folder``: its index first (then no reader takes what is left for a
+    dataset), then its shard files and a dead writer's temporary index."""
+    index = os.path.join(folder, INDEX_BASENAME)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(index)
+        fsync_dir(folder)
+    for name in os.listdir(folder):
+        if _DATASET_FILE.fullmatch(name) and os.path.isfile(os.path.join(folder, name)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, name))
+
+
 class MDSWriter:
     """Write an MDS dataset, byte-identical to MosaicML Streaming's ``MDSWriter`` for the same input.
 
@@ -166,7 +185,10 @@ class MDSWriter:
         size_limit: start a new shard before one would exceed this many bytes: an int or a size string
             (:mod:`torchforge.sizes`: ``"64MiB"`` is 2**26, ``"64MB"`` 64*10**6; Streaming reads
             ``"64mb"`` as 2**26, torchforge as 64*10**6); must be below 2**32. ``None`` puts everything in one shard (still capped at 2**32 - 1).
-        exist_ok: allow a non-empty ``out`` (files of the same names are overwritten).
+        exist_ok: allow a non-empty ``out``: the MDS dataset there is removed first, its ``index.json``
+            before its shards (``shard.NNNNN.*``, the decompressed copies a reader leaves included), so a
+            rewrite that dies leaves no index over a mix of old and new shards, and no stale shard is read
+            for a new one; other files stay. (Streaming's writer removes all of the folder's contents.)
 
     Raises:
         FileExistsError: ``out`` holds files already.
@@ -206,6 +228,8 @@ class MDSWriter:
         self._finished = False
         if os.path.isdir(self.out) and os.listdir(self.out) and not exist_ok:
             raise FileExistsError(f"{self.out}: output folder is not empty (pass exist_ok=True to write into it)")
+        if os.path.isdir(self.out):
+            _remove_dataset(self.out)
         os.makedirs(self.out, exist_ok=True)
 
     # --- encoding -----------------------------------------------------------------------------------
