@@ -1,6 +1,7 @@
 """SafetensorsDataset / SafetensorsShardWriter: round trips (fixed and ragged), detection, bad shards."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from torchforge.datasets.base import open_dataset
-from torchforge.datasets.safetensors import SafetensorsDataset, SafetensorsShardWriter, detect
+from torchforge.datasets.safetensors import SafetensorsDataset, SafetensorsShardWriter, detect, shard_order
 from torchforge.errors import CorruptShardError, FormatError, TorchforgeError
 from torchforge.formats.safetensors import save_safetensors
 
@@ -249,6 +250,19 @@ def test_a_folder_missing_shards_is_refused_not_read_short(tmp_path):
         SafetensorsDataset(tmp_path / "d")
     # one shard file on its own still reads, as before
     assert len(SafetensorsDataset(files[1])) == 5
+
+
+def test_shards_past_99999_read_in_the_order_they_were_written(tmp_path):
+    """The writer names shards shard-%05d: shard-100000 sorted between shard-10000 and shard-10001, and the
+    dataset read its samples out of order (ds[10001] was sample 100000). Digits now sort by value."""
+    files = _write(tmp_path / "d", _samples(3), samples_per_shard=1)
+    for f, k in zip(files, (99999, 100000, 100001)):  # the names the writer gives shards 99999 to 100001
+        os.rename(f, tmp_path / "d" / f"shard-{k:05d}.safetensors")
+    _check(SafetensorsDataset(tmp_path / "d"), _samples(3))
+    assert shard_order(["b10", "a", "b9", "b9x", "b09y"]) == ["a", "b9", "b9x", "b09y", "b10"]
+    os.rename(tmp_path / "d" / "shard-100001.safetensors", tmp_path / "d" / "shard-09999.safetensors")
+    with pytest.raises(CorruptShardError, match="marked last is not the last in name order"):
+        SafetensorsDataset(tmp_path / "d")  # the marker's shard must come last
 
 
 def test_shards_without_the_marker_still_read(tmp_path):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, Self
@@ -50,10 +51,16 @@ _META = {"format": "torchforge-columns", "version": "2"}
 _LAST = "shards"  # in the last shard's metadata: how many shards the dataset has
 
 
+def shard_order(names: Iterable[str]) -> list[str]:
+    """Shard file names in dataset order: by name, runs of digits by their value (the writer's
+    ``shard-100000`` follows ``shard-99999``, where a plain sort put it after ``shard-10000``)."""
+    return sorted(names, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)])
+
+
 def _shard_files(path: str) -> list[str]:
     if os.path.isfile(path):
         return [path]
-    return [os.path.join(path, f) for f in sorted(os.listdir(path))
+    return [os.path.join(path, f) for f in shard_order(os.listdir(path))
             if f.endswith(SUFFIX) and not f.startswith(".")]
 
 
@@ -116,6 +123,10 @@ def check_whole(metas: list[Mapping[str, str] | None], files: list[str], folder:
                                 f"({', '.join(os.path.basename(f) for f, _ in marked[:3])}): shards of "
                                 "more than one dataset in one folder", path=folder)
     where, said = marked[0]
+    if where != files[-1]:
+        raise CorruptShardError(f"the shard marked last is not the last in name order (that is "
+                                f"{os.path.basename(files[-1])}): shards renamed, or of more than one dataset",
+                                path=where)
     if said != str(len(files)):
         raise CorruptShardError(f"the last shard says the dataset has {said} shards, the folder holds "
                                 f"{len(files)}: an incomplete copy or upload, or shards of more than one "

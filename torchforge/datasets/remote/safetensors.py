@@ -13,7 +13,13 @@ import numpy as np
 import torch
 
 from torchforge.datasets.remote.shards import _RemoteShards, _Spans, as_urls, content_version, read_twice
-from torchforge.datasets.safetensors import OFFSETS, SafetensorsDataset, check_offsets, check_whole
+from torchforge.datasets.safetensors import (
+    OFFSETS,
+    SafetensorsDataset,
+    check_offsets,
+    check_whole,
+    shard_order,
+)
 from torchforge.errors import FormatError
 from torchforge.formats.safetensors import MAX_HEADER_SIZE, SafetensorsFile, parse_header, storage_shape
 
@@ -55,7 +61,7 @@ class RemoteSafetensorsDataset(_RemoteShards, SafetensorsDataset):
         client = self._client()
         one = self._one_object(client, (".safetensors",))  # a URL naming one shard object: that shard alone
         listed = self._listing(client, (".safetensors",)) if one is None else one
-        names = sorted(n for n in listed if n.endswith(".safetensors") and not n.startswith("."))
+        names = shard_order(n for n in listed if n.endswith(".safetensors") and not n.startswith("."))
         if not names:
             raise FormatError("folder holds no *.safetensors objects", path=self.url)
         self.path = self.url
