@@ -194,6 +194,54 @@ def test_patched_reader_keeps_a_bounded_number_of_shards_mapped(write_mds, tmp_p
         assert len(os.listdir("/proc/self/fd")) <= fds - 6  # the three maps held two descriptors each
 
 
+def test_patched_streaming_keeps_its_maps_within_the_descriptors_left_free(tmp_path):
+    """The open-map budget was fixed at import (a quarter of the limit, at least 16 maps): Streaming's own
+    descriptors grow with every dataset alive on the machine (twelve each; this suite's earlier ones
+    included), and at a limit of 64 patched Streaming failed with a bare OSError (EMFILE) where unpatched
+    Streaming reads. The maps now keep to a quarter of the descriptors the rest of the process leaves
+    free: here 24 are left past what the process holds when the pass starts."""
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, resource, shutil
+        from streaming import MDSWriter, StreamingDataset
+        import torchforge.streaming as tfs
+        with MDSWriter(out={str(tmp_path / "src")!r}, columns={{"id": "int", "blob": "bytes"}},
+                       size_limit=1 << 12) as w:
+            for i in range(200):
+                w.write({{"id": i, "blob": bytes(1500)}})  # two samples a shard
+        tfs.patch()
+        shutil.copytree({str(tmp_path / "src")!r}, {str(tmp_path / "local")!r})
+        ds = StreamingDataset(local={str(tmp_path / "local")!r}, batch_size=4, shuffle=True, shuffle_seed=2)
+        before = len(os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (before + 24, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        seen, most = [], 0
+        for s in ds:
+            seen.append(int(s["id"]))
+            most = max(most, sum(r.is_open for r in ds.shards))
+        assert len(ds.shards) >= 90 and sorted(seen) == list(range(200))
+        assert 2 <= most <= 6, (most, before)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_a_pickled_patched_reader_names_the_shards_path_in_its_errors(write_mds, tmp_path):
+    from torchforge.errors import TorchforgeError
+
+    tfs.patch()
+    src = write_mds(str(tmp_path / "src"), [{"id": i, "text": f"t{i}"} for i in range(5)],
+                    columns={"id": "int", "text": "str"})
+    reader = _dataset(tmp_path, src).shards[0]
+    bad = reader.get_sample_data(0)[:-1] + b"\xff"  # the text column is no longer UTF-8
+    for r in (reader, pickle.loads(pickle.dumps(reader))):  # (the copy named the bare shard.00000.mds)
+        with pytest.raises(TorchforgeError) as e:
+            r.decode_sample(bad)
+        assert os.path.isabs(e.value.path) and e.value.path.endswith("shard.00000.mds"), e.value.path
+
+
 def test_patched_reader_survives_another_thread_closing_its_map(write_mds, tmp_path, monkeypatch):
     """Threads reading different shards share one open-map budget: a map closed by another thread's
     open while this one reads from it is reopened, not reported as an error."""

@@ -10,8 +10,9 @@ because Streaming's ``stream.py`` and ``local.py`` import that function by name.
 Streaming's own ``MDSReader``, so eviction, ``set_up_local``, sizes and ``validate`` behave exactly as
 Streaming's; sample access goes through one memory map per shard instead of an ``open()`` per sample,
 and per-sample compression (``"compression": "sample::zstd"``, MLDataForge's layout) becomes readable.
-A process keeps at most :data:`MAX_OPEN_SHARDS` shards mapped (each holds two file descriptors):
-beyond that the map least recently opened and not used since the last sweep is closed (a "clock"),
+A process keeps at most :data:`MAX_OPEN_SHARDS` shards mapped (each holds two file descriptors), and
+no more than a quarter of the descriptors the rest of the process leaves free (Streaming's own use grows
+with every dataset alive on the machine): beyond that the map least recently opened and not used since the last sweep is closed (a "clock"),
 and reopened on its next access, so datasets of many thousands of shards stay within the process's
 file descriptor and memory-map limits.
 :func:`unpatch` restores Streaming's reader. Importing this module does not import Streaming;
@@ -34,27 +35,47 @@ __all__ = ["is_patched", "patch", "unpatch"]
 _lock = threading.Lock()
 
 
-# Two descriptors per map, half the limit left to the rest.
-MAX_OPEN_SHARDS = max(16, min(4096, open_files_limit() // 4))
+# At most (two descriptors per map, half the limit left to the rest); within it, see _budget.
+MAX_OPEN_SHARDS = max(2, min(4096, open_files_limit() // 4))
 _opened: collections.deque[weakref.ref] = collections.deque()  # readers in the order they mapped
 _opened_lock = threading.Lock()
+_budget_now, _budget_at = 2, [0, 0]  # the budget last counted; the maps then, and admits since
+
+
+def _budget() -> int:
+    """The maps this process may keep now: :data:`MAX_OPEN_SHARDS`, and no more than a quarter of the
+    descriptors the rest of the process leaves free, at least 2. Streaming's own use grows with every
+    dataset alive on the machine (two descriptors per shared-memory region of each, twelve a dataset):
+    a budget fixed at import (16 maps at a limit of 64) ran the process out of descriptors."""
+    try:
+        in_use = len(os.listdir("/proc/self/fd")) - 1  # (less listdir's own)
+    except OSError:  # no /proc (not Linux), or no descriptor left to list it with
+        return max(2, min(MAX_OPEN_SHARDS, open_files_limit() // 8))
+    free = open_files_limit() - (in_use - 2 * len(_opened))  # (an entry closed by eviction counts as open)
+    return max(2, min(MAX_OPEN_SHARDS, free // 4))
 
 
 def _admit(reader: Any) -> None:
-    """Record that ``reader`` mapped its shard; close others' maps beyond :data:`MAX_OPEN_SHARDS`.
+    """Record that ``reader`` mapped its shard; close others' maps beyond the budget (:func:`_budget`).
 
     Each reader has at most one entry (``_admitted``); a reader closed by eviction keeps its entry, which
     counts again once it reopens, or is dropped when a sweep finds it closed. The chosen maps are closed
     after the budget's lock is released (closing takes the reader's own lock, which ``_open`` holds
     while it maps: one order of locks, no deadlock).
     """
+    global _budget_at, _budget_now
     victims = []
     with _opened_lock:
         if not reader._admitted:
             reader._admitted = True
             _opened.append(weakref.ref(reader))
+        _budget_at[1] += 1
+        if len(_opened) > 2 and (len(_opened) > _budget_at[0] or _budget_at[1] >= 64):
+            # (counting descriptors costs: again when the maps outgrow those counted, or every 64th admit)
+            _budget_now, _budget_at = _budget(), [len(_opened), 0]
+        budget = min(MAX_OPEN_SHARDS, _budget_now)
         sweeps = 2 * len(_opened)  # a sweep clears the used flags, so two rounds always find one
-        while len(_opened) > MAX_OPEN_SHARDS and sweeps:
+        while len(_opened) > budget and sweeps:
             sweeps -= 1
             r = _opened.popleft()()
             if r is None:
@@ -248,7 +269,8 @@ def _build_reader_class() -> type:
         def __setstate__(self, state: dict[str, Any]) -> None:
             self.__dict__.update(state)
             self._fd, self._lock = -1, threading.Lock()
-            self._decoder = SampleDecoder(self._meta, self._meta.raw_basename, allow_unsafe_types=True)
+            where = os.path.join(self.dirname, self.split or "", self._meta.raw_basename)  # (as __init__ names it)
+            self._decoder = SampleDecoder(self._meta, where, allow_unsafe_types=True)
 
     MDSStreamingReader.__module__ = __name__
     MDSStreamingReader.__qualname__ = "MDSStreamingReader"
