@@ -70,3 +70,19 @@ def test_infer_mds_columns_mixed_json_kinds_become_json():
 def test_infer_mds_columns_refuses_naming_the_field(rows, field):
     with pytest.raises(FormatError, match=field.replace("[", r"\[").replace("]", r"\]")):
         infer_mds_columns(rows)
+
+
+@pytest.mark.parametrize("to", ["jinx", "mds", "safetensors"])
+def test_convert_logs_each_skipped_line_once(tmp_path, caplog, to):
+    # MDS infers its columns and safetensors checks every row in passes before the writing one: those
+    # look-ahead passes must not log the same skipped line again
+    from torchforge.convert import convert
+
+    src = tmp_path / "rows.jsonl"
+    src.write_bytes(b'{"x": 1.5, "y": 2}\n{"x": 3.0, \n{"x": 5.5, "y": 6}\n')
+    with caplog.at_level("WARNING", logger="torchforge.convert"):
+        stats = convert(str(src), str(tmp_path / "out"), to=to)
+    assert stats.written == 2 and stats.skipped == 1
+    logged = [r for r in caplog.records if "skipped malformed record" in r.getMessage()]
+    assert len(logged) == 1, [r.getMessage() for r in logged]
+    assert f"{src}:2 (byte 19)" in logged[0].getMessage()

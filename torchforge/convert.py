@@ -37,12 +37,16 @@ class ConversionStats:
     skipped: int = 0
     skipped_where: list[str] = field(default_factory=list)
     out: str = ""
+    #: a pass that only looks ahead (column inference, the up-front check) records its skips without
+    #: logging them: the writing pass logs each once
+    quiet: bool = field(default=False, repr=False, compare=False)
 
     def skip(self, where: str, why: str) -> None:
         self.skipped += 1
         if len(self.skipped_where) < 20:
             self.skipped_where.append(f"{where}: {why}")
-        log.warning("skipped malformed record at %s: %s", where, why)
+        if not self.quiet:
+            log.warning("skipped malformed record at %s: %s", where, why)
 
 
 # --- sources ----------------------------------------------------------------------------------------
@@ -308,7 +312,7 @@ def _writer(to: str, dst: str, start_pass: Callable[[ConversionStats], Iterable[
         from torchforge.formats.mds import MDSWriter
 
         _check_options(to, MDSWriter, options, ("out",))
-        columns = options.pop("columns", None) or infer_mds_columns(start_pass(ConversionStats()))
+        columns = options.pop("columns", None) or infer_mds_columns(start_pass(ConversionStats(quiet=True)))
         if not columns:
             raise FormatError("the source holds no samples to infer MDS columns from: give them (columns=, "
                               "--columns) to write an empty MDS dataset")
@@ -318,7 +322,7 @@ def _writer(to: str, dst: str, start_pass: Callable[[ConversionStats], Iterable[
 
         _check_options(to, SafetensorsShardWriter, options, ("out",))
         n = 0
-        for n, sample in enumerate(start_pass(ConversionStats()), 1):  # refuse before writing anything
+        for n, sample in enumerate(start_pass(ConversionStats(quiet=True)), 1):  # refuse before writing anything
             _tensor_row(sample, n - 1)
         if n == 0:
             raise FormatError("the source holds no samples: a safetensors dataset is its shards' columns, and "
