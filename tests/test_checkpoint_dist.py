@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _forkserver import fork_server, start_ranks
 from safetensors.torch import load_file, save_file
 
 from torchforge.checkpoint import Checkpointer
@@ -180,8 +180,9 @@ def _rank_main(rank: int, world: int, init: str, job: dict) -> None:
 
 
 def _spawn(world: int, job: dict, tmp_path, timeout: float = 240) -> list[int | None]:
-    """Run ``world`` ranks of a job in spawned processes; returns their exit codes."""
-    ctx = mp.get_context("spawn")
+    """Run ``world`` ranks of a job in processes of a fork server that imported torch and torchforge once
+    (not a fork of the test process, whose threads a child must not inherit); returns their exit codes."""
+    ctx = fork_server(__name__)
     init = f"file://{tmp_path}/store-{job['name']}"
     procs = [ctx.Process(target=_rank_main, args=(r, world, init, job)) for r in range(world)]
     for p in procs:
@@ -644,7 +645,7 @@ def _trial_rank(rank: int, world: int, init: str, root: str, victim: int, fracti
     try:
         m, opt = _build("fsdp", world)
         _train(m, opt, 0, 1, rank)
-        ck = Checkpointer(root, timeout=10)  # a victim killed before it registered costs the survivor this
+        ck = Checkpointer(root, timeout=5)  # a victim killed before it registered costs the survivor this
         t0 = time.monotonic()
         ck.save(1, model=m, optimizer=opt, extra={"step": 1})
         took = result["took"] = time.monotonic() - t0
@@ -697,7 +698,7 @@ def _trials(base: str, n: int, seed: int) -> None:
 
 
 def test_random_kills_during_a_save_leave_a_complete_step_and_typed_errors(tmp_path):
-    proc = mp.get_context("spawn").Process(target=_trials, args=(str(tmp_path), TRIALS, 1234))
+    proc = fork_server(__name__).Process(target=_trials, args=(str(tmp_path), TRIALS, 1234))
     proc.start()
     proc.join(600)
     assert proc.exitcode == 0
@@ -783,7 +784,7 @@ def test_buffers_that_differ_between_ranks_are_saved_as_rank_0s(tmp_path):
     running_var), and training resumed from it goes on as the uninterrupted run."""
     root = str(tmp_path / "ck")
     for phase in ("save", "restore"):
-        torch.multiprocessing.spawn(_bn_rank, args=(2, f"file://{tmp_path}/store-{phase}", root, phase), nprocs=2,
+        start_ranks(_bn_rank, args=(2, f"file://{tmp_path}/store-{phase}", root, phase), nprocs=2,
                                     join=True)
     r0, r1 = load_file(f"{root}-rank0.safetensors"), load_file(f"{root}-rank1.safetensors")
     assert not torch.equal(r0["1.running_var"], r1["1.running_var"])  # the ranks do differ
@@ -818,7 +819,7 @@ def _step_rank(rank: int, world: int, init: str, root: str) -> None:
 def test_ranks_saving_different_steps_all_raise_at_once(tmp_path):
     """Every rank must save the same step: an off-by-one on one rank is a CheckpointError on every rank at
     once (each waited the whole timeout for files that never came), and nothing is left behind."""
-    torch.multiprocessing.spawn(_step_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path / "ck")), nprocs=2,
+    start_ranks(_step_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path / "ck")), nprocs=2,
                                 join=True)
 
 
@@ -867,7 +868,7 @@ def test_one_rank_failing_before_it_writes_makes_every_rank_raise_at_once(tmp_pa
     """A rank whose own state cannot be stored (before the plan's collective) or whose snapshot fails (after
     it) used to leave the others waiting: in the collective for the group's timeout, or for its files for
     the Checkpointer's. Now every rank raises CheckpointError at once and the next save works."""
-    torch.multiprocessing.spawn(_alone_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path / "ck"), case),
+    start_ranks(_alone_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path / "ck"), case),
                                 nprocs=2, join=True)
 
 
@@ -919,7 +920,7 @@ def test_every_rank_returns_after_rank_0_pruned_and_exported(tmp_path):
     """save() returned on ranks other than 0 as soon as the step was committed, while rank 0 was still
     pruning older steps and exporting: right after save(), rank 1 listed a step about to be deleted and
     found no export, and a failed export was reported by rank 0 only."""
-    torch.multiprocessing.spawn(_after_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path / "ck"),
+    start_ranks(_after_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path / "ck"),
                                                    str(tmp_path / "hf")), nprocs=2, join=True)
 
 
@@ -963,7 +964,7 @@ def _keyed_rank(rank: int, world: int, init: str, root: str) -> None:
 def test_a_loader_state_is_saved_by_every_rank_as_a_single_process_save_saves_it(tmp_path):
     """The distributed save wrote the DataLoader state with plain json.dumps: int keys came back as strings,
     tuples as lists, and a tensor in it was a raw TypeError on every rank."""
-    torch.multiprocessing.spawn(_keyed_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path / "ck")), nprocs=2,
+    start_ranks(_keyed_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path / "ck")), nprocs=2,
                                 join=True)
 
 
@@ -998,7 +999,7 @@ def test_tied_weights_are_saved_and_exported_once(tmp_path, kind):
     """A distributed save wrote a tied weight under each of its names (twice the bytes), and export wrote
     both keys, where the single-process save and transformers' save_pretrained write it once."""
     root = str(tmp_path / "ck")
-    torch.multiprocessing.spawn(_tied_rank, args=(2, f"file://{tmp_path}/store", root, kind), nprocs=2, join=True)
+    start_ranks(_tied_rank, args=(2, f"file://{tmp_path}/store", root, kind), nprocs=2, join=True)
     ck = Checkpointer(root)
     model_tensors = [n for n in ck.manifest(1)["tensors"] if n.startswith("model.")]
     assert sorted(model_tensors) == ["model.emb.weight", "model.mid.bias", "model.mid.weight"]
@@ -1048,8 +1049,8 @@ def _rng_restore(rank: int, root: str) -> None:
 def test_an_elastic_restore_leaves_each_ranks_generator_its_own(tmp_path):
     """A loader state remapped to another world size is rank 0's, whose torch generator state every rank
     then took: ranks seeded apart drew the same numbers (dropout, augmentations) from then on."""
-    p = torch.multiprocessing.get_context("spawn").Process(target=_rng_save, args=(str(tmp_path),))
+    p = fork_server(__name__).Process(target=_rng_save, args=(str(tmp_path),))
     p.start()
     p.join()
     assert p.exitcode == 0
-    torch.multiprocessing.spawn(_rng_restore, args=(str(tmp_path),), nprocs=2, join=True)
+    start_ranks(_rng_restore, args=(str(tmp_path),), nprocs=2, join=True)

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
+from _forkserver import start_ranks
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from torchforge.loader import DataLoader
@@ -287,7 +287,7 @@ def test_elastic_resume_from_2_to_3_ranks_covers_the_rest_exactly_once(tmp_path)
             with open(tmp_path / "save-0.json") as f:
                 (tmp_path / "state.json").write_text(json.dumps(json.load(f)["state"]))
         init = f"file://{tmp_path}/store-{phase}"
-        tmp.spawn(_elastic_rank, args=(world, init, phase, str(tmp_path), n, k), nprocs=world, join=True)
+        start_ranks(_elastic_rank, args=(world, init, phase, str(tmp_path), n, k), nprocs=world)
     before = [i for r in range(2) for i in json.loads((tmp_path / f"save-{r}.json").read_text())["seen"]]
     after = [i for r in range(3) for i in json.loads((tmp_path / f"load-{r}.json").read_text())["seen"]]
     assert len(before) == 2 * k * 5 and len(set(before)) == len(before)

@@ -2384,14 +2384,15 @@ def test_an_order_without_locality_under_a_small_cache_reads_ranges_instead_of_r
         bucketed = run("c3", bucket=16)  # a shard's worth of neighbours at a time: whole shards pay
         gets = len(proxy.gets)
         # Whole shards, not a range per sample. A bucket of 16 neighbours straddles two shards of ~17 samples,
-        # so a shard is fetched about twice an epoch (3.8x the data in 2 epochs here, 4.06x once under load);
-        # the exact order below refetches ~23x.
-        assert gets < len(rows) / 4 and bucketed < 6 * data, (gets, bucketed, data)
-    monkeypatch.setattr(remote, "BYPASS_SHARE", 0.0)  # forked workers see it: never switch
-    whole_shards = run("c2")
-    assert with_ranges < whole_shards / 3, (with_ranges, whole_shards)
-    assert with_ranges < 4 * data
-    assert bucketed is None or bucketed < whole_shards / 3, (bucketed, whole_shards)
+        # so a shard is fetched about twice an epoch (3.8x the data in 2 epochs here, 4.06x once under load,
+        # 65 GETs once); a range per sample would be 512 GETs, and the exact order below refetches ~23x.
+        assert gets < len(rows) / 3 and bucketed < 6 * data, (gets, bucketed, data)
+    assert with_ranges < 4 * data, (with_ranges, data)
+    if fmt == "mds":  # the cache's part, the same for every format: whole shards refetch far more here
+        monkeypatch.setattr(remote, "BYPASS_SHARE", 0.0)  # forked workers see it: never switch
+        whole_shards = run("c2")
+        assert with_ranges < whole_shards / 3, (with_ranges, whole_shards)
+        assert bucketed < whole_shards / 3, (bucketed, whole_shards)
 
 
 @pytest.mark.parametrize("mode", ["ranges", "shards"])

@@ -11,7 +11,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _forkserver import start_ranks
 
 from torchforge.sampler import GlobalSampler
 
@@ -66,7 +66,7 @@ def groups(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("dist"))
 
     def start(world):
-        return mp.start_processes(_run, args=(world, folder), nprocs=world, join=False, start_method="spawn")
+        return start_ranks(_run, args=(world, folder), nprocs=world, join=False)
 
     def join(group):
         while not group.join():  # raises if a rank failed
