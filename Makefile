@@ -39,7 +39,8 @@ demo: $(VENV)/.base
 	$(PY) -m torchforge.demo
 
 # Two pytest-xdist workers: most tests wait on child processes, servers or timers, so two share 2 cores
-# well (694 s -> 485 s here). Tests that run Streaming take a lock (its shared memory is machine-wide).
+# well (425 s here with two). Tests that run Streaming take a lock (its shared memory is machine-wide);
+# tests of several gloo ranks start them from a fork server that imported torch once (tests/_forkserver.py).
 # TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 test: $(VENV)/.interop
