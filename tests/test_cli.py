@@ -510,3 +510,16 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(cli, "cmd_verify", interrupted)
     assert main(["verify", str(tmp_path)]) == 130
     assert capsys.readouterr().err == "torchforge verify: interrupted\n"
+
+
+def test_a_text_option_that_looks_like_a_number_stays_text(tmp_path, capsys):
+    """-o split=2024 became the int 2024, and the JINX writer refused it (split takes a name)."""
+    src = tmp_path / "rows.jsonl"
+    src.write_text('{"id": 1}\n{"id": 2}\n')
+    dst = tmp_path / "out"
+    assert main(["convert", str(src), str(dst), "--to", "jinx", "-q", "-o", "split=2024",
+                 "-o", "shard_size=1000000"]) == 0, capsys.readouterr()
+    from torchforge.datasets.jinx import JinxDataset
+
+    assert [int(s["id"]) for s in JinxDataset(str(dst), split="2024")] == [1, 2]  # the footers name the split
+    assert len(JinxDataset(str(dst), split="other")) == 0

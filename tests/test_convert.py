@@ -86,3 +86,32 @@ def test_convert_logs_each_skipped_line_once(tmp_path, caplog, to):
     logged = [r for r in caplog.records if "skipped malformed record" in r.getMessage()]
     assert len(logged) == 1, [r.getMessage() for r in logged]
     assert f"{src}:2 (byte 19)" in logged[0].getMessage()
+
+
+def test_jsonl_integers_past_64_bits_stay_exact_and_a_byte_order_mark_is_not_a_record(tmp_path):
+    """orjson read 123456789012345678901234567890 as the float 1.2345678901234568e+29 (written so, with no
+    word); a file starting with a UTF-8 byte order mark lost its first record as malformed."""
+    from torchforge.convert import convert
+    from torchforge.datasets.mds import MDSDataset
+
+    big = 123456789012345678901234567890
+    src = tmp_path / "rows.jsonl"
+    src.write_bytes(b'\xef\xbb\xbf{"id": 1, "n": 5}\n' + f'{{"id": 2, "n": {big}}}\n'.encode()
+                    + b'{"id": 3, "n": -9223372036854775809}\n{"id": 4, "n": 1234567890123456789, "x": NaN}\n')
+    stats = ConversionStats()
+    rows = list(iter_jsonl(str(src), stats))
+    assert [r["id"] for r in rows] == [1, 2, 3] and rows[1]["n"] == big and type(rows[1]["n"]) is int
+    assert rows[2]["n"] == -9223372036854775809 and stats.skipped == 1  # NaN is not JSON, as orjson has it
+    stats = convert(str(src), str(tmp_path / "mds"), to="mds")
+    assert stats.written == 3
+    assert [s["n"] for s in MDSDataset(str(tmp_path / "mds"))] == [5, big, -9223372036854775809]  # a json column
+    with pytest.raises(FormatError, match=f"field 'n'.*integer {big} does not fit in 64 bits"):
+        convert(str(src), str(tmp_path / "jinx"), to="jinx")
+
+
+def test_an_array_dtype_mds_cannot_hold_is_refused_naming_the_field():
+    with pytest.raises(FormatError, match="field 'mask' cannot be converted to MDS \\(sample 0\\): its values are "
+                                         "bool arrays"):
+        infer_mds_columns([{"id": 1, "mask": np.array([True, False])}])
+    with pytest.raises(FormatError, match="field 'flag'.*bool arrays"):
+        infer_mds_columns([{"flag": torch.tensor(True)}])

@@ -476,3 +476,15 @@ def test_a_tensor_view_is_stored_with_its_own_values_not_its_whole_storage(tmp_p
     for s, got in zip(samples, JinxDataset(str(tmp_path / "j"), lazy=False)):
         assert torch.equal(got["x"], s["x"]) and got["x"].dtype == s["x"].dtype
         assert got["x"].untyped_storage().nbytes() == s["x"].numel() * 4
+
+
+def test_a_long_string_that_is_not_utf8_is_a_format_error_naming_its_field(tmp_path):
+    """A string past the short limit was encoded by itself: a lone surrogate raised a bare UnicodeEncodeError
+    naming no field (a short one was a FormatError)."""
+    from torchforge.errors import FormatError
+    from torchforge.formats.jinx import JinxWriter
+
+    for n in (1, 500):
+        want = "not valid UTF-8" if n == 1 else "field 'text': .*not valid UTF-8"
+        with pytest.raises(FormatError, match=want), JinxWriter(str(tmp_path / f"o{n}")) as w:
+            w.write({"id": 1, "meta": {"text": "\ud800" * n}})

@@ -56,6 +56,21 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
+def _takes_text(to: str, option: str) -> bool:
+    """Whether the ``to`` writer's ``option`` takes text only (``split``: ``-o split=2024`` stays the
+    string "2024"); other options' values are read by :func:`_num`."""
+    import inspect
+
+    from torchforge.convert import writer_class
+
+    try:
+        param = inspect.signature(writer_class(to).__init__).parameters.get(option)
+    except (TypeError, ValueError):
+        return False
+    ann = str(param.annotation) if param is not None else ""
+    return "str" in ann and not any(t in ann for t in ("int", "float", "bool"))
+
+
 def _key_value(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -99,8 +114,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from torchforge.convert import convert
     from torchforge.remote.errors import RemoteExistsError
 
-    options = dict(args.option)
-    options = {k.replace("-", "_"): _num(v) for k, v in options.items()}
+    options = {k.replace("-", "_"): v for k, v in dict(args.option).items()}
+    options = {k: v if _takes_text(args.to, k) and v.lower() not in ("none", "null") else _num(v)
+               for k, v in options.items()}
     if args.columns:
         try:
             options["columns"] = json.loads(args.columns)

@@ -5,9 +5,11 @@ target format's writer. Malformed JSONL lines are skipped, counted and reported,
 """
 from __future__ import annotations
 
+import codecs
 import gzip
 import inspect
 import io
+import json
 import logging
 import os
 import re
@@ -61,6 +63,13 @@ def _open_text_stream(path: str) -> io.BufferedIOBase:
     return raw
 
 
+_LONG_DIGITS = re.compile(rb"\d{19}")  # a run of digits that may be an integer past 64 bits
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # (json takes NaN and Infinity; orjson, as JSON, does not)
+
+
 def iter_jsonl(path: str, stats: ConversionStats | None = None) -> Iterator[dict]:
     """Yield one dict per line of a JSONL file (plain, ``.gz`` or ``.zst``).
 
@@ -72,11 +81,15 @@ def iter_jsonl(path: str, stats: ConversionStats | None = None) -> Iterator[dict
     with _open_text_stream(path) as f:
         for lineno, line in enumerate(f, 1):
             start, offset = offset, offset + len(line)
+            if lineno == 1 and line.startswith(codecs.BOM_UTF8):  # (Windows tools start a file with one)
+                line = line[len(codecs.BOM_UTF8):]
             if not line.strip():
                 continue
             try:
-                obj = orjson.loads(line)
-            except orjson.JSONDecodeError as e:
+                # orjson reads an integer past 64 bits as a float: such a line is read by json, exactly
+                obj = json.loads(line, parse_constant=_no_constant) if _LONG_DIGITS.search(line) else \
+                    orjson.loads(line)
+            except ValueError as e:  # (orjson's and json's errors, bytes that are not UTF-8)
                 stats.skip(f"{path}:{lineno} (byte {start})", f"not JSON ({e})")
                 continue
             if not isinstance(obj, dict):
@@ -215,6 +228,11 @@ def infer_mds_columns(samples: Iterable[Any]) -> dict[str, str]:
                 what = getattr(v, "dtype", type(v).__name__)
                 raise FormatError(f"field {k!r} cannot be converted to MDS (sample {i}): its {what} values have "
                                   f"no numpy type ({e}); cast the column (to float32, say) first") from None
+            if kind[0] == "ndarray" and kind[1] not in _NP_SCALARS:
+                raise FormatError(f"field {k!r} cannot be converted to MDS (sample {i}): its values are "
+                                  f"{kind[1]} arrays, and an MDS ndarray column holds "
+                                  f"{', '.join(sorted(_NP_SCALARS))}; cast the column (bool to uint8, say) "
+                                  "first")
             if kind == ("json",):
                 p = _json_problem(v, k)
                 if p:
@@ -300,6 +318,23 @@ def _check_options(to: str, cls: type, options: dict[str, Any], taken: tuple[str
     if wrong:
         raise ValueError(f"the {to} writer ({cls.__name__}) takes no option {', '.join(map(repr, wrong))}; its "
                          f"options: {', '.join(known)}")
+
+
+def writer_class(to: str) -> type:
+    """The writer class of format ``to`` (its options are ``convert``'s keyword options)."""
+    if to == "jinx":
+        from torchforge.formats.jinx import JinxWriter
+
+        return JinxWriter
+    if to == "mds":
+        from torchforge.formats.mds import MDSWriter
+
+        return MDSWriter
+    if to == "safetensors":
+        from torchforge.datasets.safetensors import SafetensorsShardWriter
+
+        return SafetensorsShardWriter
+    raise TorchforgeError(f"{to=} is not one of {list(TARGETS)}")
 
 
 def _writer(to: str, dst: str, start_pass: Callable[[ConversionStats], Iterable[Any]], options: dict[str, Any]):

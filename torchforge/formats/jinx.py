@@ -78,7 +78,13 @@ class _ShardWriter:
             if sep in key:
                 raise FormatError(f"key {key!r} contains the extension separator {sep!r}: JINX reads everything "
                                   "after it as type extensions; rename the key")
-            v, ext = self.prepare_value(val)
+            try:
+                v, ext = self.prepare_value(val)
+            except FormatError as e:
+                if not e.reason.startswith("field "):  # (the innermost key names it)
+                    e.reason = f"field {key!r}: {e.reason}"
+                    e.args = (str(e),)
+                raise
             out[f"{key}{sep}{ext}" if ext else key] = v
         return out
 
@@ -103,7 +109,12 @@ class _ShardWriter:
         if isinstance(value, str):
             if len(value) < o.short_limit:
                 return str(value), None
-            return self.store_bytes(value.encode("utf-8"), "str")
+            try:
+                data = value.encode("utf-8")
+            except UnicodeEncodeError as e:  # (a short one is refused where the line is encoded)
+                raise FormatError(f"a string is not valid UTF-8 ({e.reason} at character {e.start}): "
+                                  "JSON cannot hold it") from None
+            return self.store_bytes(data, "str")
         if isinstance(value, np.generic):
             if isinstance(value, (np.bytes_, np.str_)):
                 return self.prepare_value(value.item())
