@@ -776,3 +776,73 @@ def test_state_dict_of_a_loaded_loader_holds_the_generator_as_it_is_now():
     torch.manual_seed(99)
     c.load_state_dict(saved)
     assert [x.tolist() for x in c] == want
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_state_resumes_at_another_batch_size_where_its_samples_end_or_is_refused(workers, shuffle):
+    """The pass skipped the state's count of batches at the new batch size: 4 -> 2 after two batches
+    yielded samples 4..7 again, 2 -> 4 never yielded them. It resumes after the state's samples when they
+    end a batch of the new size, and is refused otherwise."""
+    data = list(range(20))
+
+    def loader(bs):
+        return DataLoader(data, batch_size=bs, num_workers=workers, shuffle=shuffle,
+                          generator=torch.Generator().manual_seed(5))
+
+    for before, after in ((4, 2), (2, 4), (4, 8)):
+        it = iter(first := loader(before))
+        seen = [next(it).tolist() for _ in range(2)]
+        state = first.state_dict()
+        del it
+        second = loader(after)
+        second.load_state_dict(state)
+        rest = [b.tolist() for b in second]
+        flat = [i for batch in seen + rest for i in batch]
+        assert sorted(flat) == data and len(rest[0]) == after, (before, after, seen, rest)
+    it = iter(first := loader(4))
+    next(it)
+    state = first.state_dict()
+    with pytest.raises(ValueError, match="after 4 samples in batches of 4, and this loader's batches of 3"):
+        loader(3).load_state_dict(state)
+
+
+class _RollsOver(IterableDataset):
+    """A Stateful dataset whose state moves on to its next epoch when a pass ends."""
+
+    def __init__(self, lens):
+        self.lens, self.pos, self.epoch = lens, 0, 0
+
+    def __iter__(self):
+        info = get_worker_info()
+        w = info.id if info else 0
+        while self.pos < self.lens[w]:
+            self.pos += 1
+            yield self.epoch * 1000 + w * 100 + self.pos - 1
+        self.pos, self.epoch = 0, self.epoch + 1
+
+    def state_dict(self):
+        return {"pos": self.pos, "epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.pos, self.epoch = state["pos"], state["epoch"]
+
+
+@pytest.mark.parametrize(("workers", "taken"), [(0, 3), (0, 2), (2, 4), (2, 3), (2, 1)])
+def test_an_iterator_seen_to_its_end_stays_ended_after_a_resume(workers, taken):
+    """A state saved after an iterable's last, short batch (its end seen, no StopIteration yet) did not say
+    the iterator had ended: the resumed loader began it again from the dataset's rolled-over state and
+    yielded a whole next epoch (and, with workers, a task the saved run gave an ended worker was sent)."""
+    whole = DataLoader(_RollsOver([5, 2]), batch_size=2, num_workers=workers)
+    full = [b.tolist() for b in whole]
+    again = [b.tolist() for b in whole]  # the uninterrupted run's next pass (workers: new copies, as torch's)
+    first = DataLoader(_RollsOver([5, 2]), batch_size=2, num_workers=workers)
+    it = iter(first)
+    got = [next(it).tolist() for _ in range(taken)]
+    state = first.state_dict()
+    del it
+    second = DataLoader(_RollsOver([5, 2]), batch_size=2, num_workers=workers)
+    second.load_state_dict(state)
+    assert got + [b.tolist() for b in second] == full
+    assert [b.tolist() for b in second] == again
+    assert again == ([[b + 1000 for b in batch] for batch in full] if workers == 0 else full)

@@ -35,6 +35,19 @@ def _dataset_version(dataset: Any) -> str | None:
     return version if isinstance(version, str) else None
 
 
+def _rebatched(state: dict[str, Any], batch_size: int | None) -> int | None:
+    """The batches of ``batch_size`` a pass resumed from ``state`` skips: the state's own, unless it was
+    saved with another batch size and resumes by skipping batches (its sampler cannot say a sample
+    position), where its samples are that many new batches; None if they are not a whole number of them.
+    (Skipping the saved count of new batches repeated or lost samples.)"""
+    saved = state.get("batch_size")
+    if not state.get("skip_batches") or state.get("finished") or saved is None or batch_size is None or \
+            saved == batch_size:
+        return int(state["batches"])
+    samples = int(state["samples"])
+    return None if state.get("extra") or samples % batch_size else samples // batch_size
+
+
 class DataLoader(torch.utils.data.DataLoader[T_co]):
     """A drop-in ``torch.utils.data.DataLoader``: the same arguments, defaults, checks, warnings and
     batches, loaded by worker processes that hand batches over in shared memory.
@@ -231,6 +244,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                              f"of order (in_order=False: batches {state['extra'][:8]} ahead of batch "
                              f"{state['batches']}); it resumes at that world size only, not at "
                              f"{target.world_size}")
+        if _rebatched(state, self.batch_size) is None:
+            raise ValueError(f"the state was saved after {state['samples']} samples in batches of "
+                             f"{state['batch_size']}, and this loader's batches of {self.batch_size} do not end "
+                             "there" + (f" (batches {state['extra'][:8]} were yielded ahead, in_order=False)"
+                                        if state.get("extra") else "") +
+                             ": resume with a batch size that divides it, or with a GlobalSampler (it resumes "
+                             "at any sample)")
         check = getattr(target, "check_state", None)
         if saved is not None and self._dataset_kind != _DatasetKind.Iterable and callable(check):
             check(saved)  # a state the sampler cannot load (another seed, dataset): refused now, changing nothing
@@ -247,7 +267,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if state["dataset"] is not None:
             self.dataset.load_state_dict(state["dataset"])
         if not finished:
-            self._resume = dict(state)
+            self._resume = dict(state, batches=_rebatched(state, self.batch_size))
             self._epoch_at_load = getattr(target, "epoch", None)
             return
         self._resume = None

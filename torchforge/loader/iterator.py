@@ -305,6 +305,8 @@ class _Iter(_BaseDataLoaderIter):
             if reply.state is not None:
                 self._pos.worker_state[worker] = reply.state
             self._pos.drawn[worker] += reply.count
+            if reply.ended:  # its last batch, short: a state saved now resumes with its iterator ended
+                self._pos.ended[worker] = True
 
     def _note_done(self, seq: int, n_indices: int = 0) -> None:
         """Batch ``seq``, of ``n_indices`` sampler indices, was yielded (or consumed: an error, an empty
@@ -358,7 +360,9 @@ class InProcessIter(_Iter):
         # the pass's iterator of an IterableDataset is made now, as torch's fetcher makes it at iter(): a
         # state saved before the first batch holds a Stateful iterator's state too
         state = self._pos.worker_state[0]
-        if state is not None:  # a Stateful iterator puts itself back where it was, its random state included
+        if self._pos.ended[0]:  # the saved pass had seen its iterator end: it resumes at that end
+            self._source.ended = True
+        elif state is not None:  # a Stateful iterator puts itself back where it was, its random state included
             self._source.start(0, state)
         else:
             # a Stateful dataset was put back where it was by load_state_dict; others are fast-forwarded,
@@ -395,7 +399,8 @@ class InProcessIter(_Iter):
                 self._note_done(seq)
                 raise
             loader._count_skipped(skipped)
-            reply = Reply(0, seq, count=drawn, state=self._source.state(dataset=False))  # (a Stateful iterator's)
+            reply = Reply(0, seq, count=drawn, state=self._source.state(dataset=False),  # (a Stateful iterator's)
+                          ended=self._source.ended)
             if batch is SKIPPED:
                 self._note_done(seq)
                 continue
@@ -500,8 +505,10 @@ class WorkerIter(_Iter):
         None when every worker's iterator ended. With ``in_order=False``, as torch's loader does, a worker
         gets a task only while it has fewer than its share of the window in flight (one stuck on a slow
         sample is passed over), and :data:`_BUSY` when none has room."""
-        if self._assigned:
-            return self._assigned.pop(0)
+        while self._assigned:
+            w = self._assigned.pop(0)
+            if not self._pos.ended[w]:  # (a task the saved run gave a worker whose iterator had ended: none)
+                return w
         n = len(self._pos.ended)
         active = n - sum(self._pos.ended)
         if not active:

@@ -53,6 +53,6 @@ class Reply:
     buffers: list[int] = field(default_factory=list)  #: out-of-band buffers, flat [offset, length, ...]
     skipped: list = field(default_factory=list)  #: [index, "Type: message"] left out (on_error="skip")
     error: Any = None  #: a torch ``ExceptionWrapper`` of what user code raised
-    ended: bool = False  #: the worker's IterableDataset iterator is exhausted
+    ended: bool = False  #: the worker's IterableDataset iterator is exhausted (with or without a last batch)
     count: int = 0  #: samples the task drew from the dataset (IterableDataset fast-forward)
     state: Any = None  #: the worker's state after the task (``Source.state``): its dataset's, its iterator's

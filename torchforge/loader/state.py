@@ -133,6 +133,7 @@ class Position:
             "version": STATE_VERSION,
             "finished": finished,
             "batches": self.batches,
+            "batch_size": loader.batch_size,  # (None: a batch_sampler's batches, or batch_size=None)
             "extra": sorted(self.extra),
             "samples": self.samples,
             "base_seed": None if self.base_seed is None else int(self.base_seed),

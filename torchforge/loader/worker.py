@@ -221,7 +221,7 @@ def _run(task: Task, source: Source, writer: SlabWriter, where: str) -> Reply:
         stream_off, stream_len, buffers = encode(batch, arena)
         del batch
         return Reply(task.pass_id, task.seq, task.slab, used=arena.used, stream=(stream_off, stream_len), buffers=buffers,
-                     skipped=skipped, count=drawn)
+                     skipped=skipped, count=drawn, ended=source.ended)  # (a last, partial batch: the end seen)
     except StopIteration:
         return Reply(task.pass_id, task.seq, task.slab, ended=True)
     except Exception:  # noqa: BLE001 - re-raised in the main process with this traceback
