@@ -1646,6 +1646,73 @@ def test_a_jinx_dataset_at_an_http_url_is_found_by_probing_and_read_with_ranges(
         server.shutdown()
 
 
+class _SoftMissingHandler(_RangeHandler):
+    """A web server that answers a missing path with 200 and a page (a "soft 404")."""
+
+    def _file(self):
+        path = os.path.join(self.server.folder, self.path.lstrip("/"))
+        return path if os.path.isfile(path) else os.path.join(self.server.folder, "index.html")
+
+
+class _NoHeadHandler(_RangeHandler):
+    """A web server that serves GET (byte ranges too) and refuses HEAD (405), as some gateways do."""
+
+    def do_HEAD(self):
+        self.send_response(405)
+        self.send_header("Allow", "GET")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+@pytest.mark.parametrize("fmt", ["jinx", "safetensors"])
+def test_a_server_that_answers_every_path_is_an_error_not_a_probe_for_ever(tmp_path, fmt):
+    """An http folder is probed shard-00000, shard-00001, ... up to the first missing one: a server that
+    answers a missing path with 200 (a soft 404) made JinxDataset(url) and SafetensorsDataset(url) probe for
+    ever (30,000 HEADs in 15 s, memory growing)."""
+    import torchforge
+    from torchforge.remote import RemoteError
+
+    (tmp_path / "index.html").write_text("<html>not found</html>")
+    server = _serve(str(tmp_path), _SoftMissingHandler)
+    url = f"http://127.0.0.1:{server.server_address[1]}/ds"
+    cls = {"jinx": torchforge.JinxDataset, "safetensors": torchforge.SafetensorsDataset}[fmt]
+    result: list = []
+
+    def open_it():
+        try:
+            result.append(cls(url, cache_dir=tmp_path / "cache"))
+        except Exception as e:  # noqa: BLE001 - the outcome is checked below
+            result.append(e)
+
+    t = threading.Thread(target=open_it, daemon=True)
+    t.start()
+    t.join(60)
+    server.shutdown()
+    assert not t.is_alive(), "still probing after 60 s"
+    assert isinstance(result[0], RemoteError) and "answers for an object that does not exist" in str(result[0])
+
+
+def test_a_server_that_refuses_head_is_read_through_get(tmp_path):
+    """A server answering HEAD with 405 (GET served) read as 'no dataset here': the object's size and
+    validator now come from a GET of its first byte where HEAD finds nothing."""
+    import torchforge
+    from torchforge.formats.mds import MDSWriter
+
+    with MDSWriter(str(tmp_path / "ds"), {"id": "int"}) as w:
+        for i in range(10):
+            w.write({"id": i})
+    server = _serve(str(tmp_path), _NoHeadHandler)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/ds"
+        for mode in ("shards", "ranges"):
+            ds = torchforge.open_dataset(url, cache_dir=tmp_path / f"cache-{mode}", mode=mode)
+            assert [int(s["id"]) for s in ds] == list(range(10))
+        with pytest.raises(torchforge.remote.RemoteNotFoundError):
+            torchforge.open_dataset(url + "-missing", cache_dir=tmp_path / "cache-missing")
+    finally:
+        server.shutdown()
+
+
 @pytest.mark.parametrize("handler", [_RangeHandler, _NoETagHandler, _DeafHandler], ids=["etag", "last-modified",
                                                                                        "if-match-ignored"])
 @pytest.mark.parametrize("mode", ["ranges", "shards"])

@@ -313,7 +313,18 @@ class _Server:
     def head(self, req: HeadRequest) -> ObjectInfo:
         import obstore
 
-        meta = _retrying(req.url, lambda: obstore.head(self.store(req.store, True), req.key), req.store, quick=True)
+        store = self.store(req.store, True)
+        try:
+            meta = _retrying(req.url, lambda: obstore.head(store, req.key), req.store, quick=True)
+        except RemoteNotFoundError:
+            if not req.url.startswith(("http://", "https://")):
+                raise
+            # a web server may refuse HEAD (405), which reads as not found: a GET of its first byte says
+            # whether the object is there, and its size and validator (Content-Range, ETag) if so
+            def first_byte() -> Any:
+                return obstore.get(store, req.key, options={"range": (0, 1)}).meta
+
+            meta = _retrying(req.url, first_byte, req.store, quick=True)
         return ObjectInfo(int(meta["size"]), _validator(meta))
 
     def ranges(self, req: RangesRequest) -> list[bytes]:

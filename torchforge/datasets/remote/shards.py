@@ -24,7 +24,7 @@ import numpy as np
 
 from torchforge._limits import ensure_open_files
 from torchforge.errors import CorruptShardError, FormatError, TorchforgeError
-from torchforge.remote import FetcherClient, RemoteCorruptError, RemoteNotFoundError, connect
+from torchforge.remote import FetcherClient, RemoteCorruptError, RemoteError, RemoteNotFoundError, connect
 from torchforge.sizes import parse_size
 
 log = logging.getLogger(__name__)
@@ -217,6 +217,13 @@ class _RemoteShards:
             except RemoteNotFoundError as e:
                 return e
 
+        canary = f"{self.url}/.torchforge-no-such-object-{uuid.uuid4().hex}"
+        if not isinstance(head(client, canary.rsplit("/", 1)[1]), RemoteNotFoundError):
+            # (a "soft 404": the probe below would look for shard after shard for ever)
+            raise RemoteError(f"the server answers for an object that does not exist ({canary}), so missing "
+                              "shards cannot be told from present ones and the dataset's end cannot be found: "
+                              "serve it from a server that answers 404 for a missing path (or from object "
+                              "storage, which lists a folder)", url=self.url)
         for first in itertools.count(0, READERS):
             shards = [f"shard-{k:05d}" for k in range(first, first + READERS)]
             names = [shard + suffix for shard in shards for suffix in suffixes]
