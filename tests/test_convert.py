@@ -115,3 +115,15 @@ def test_an_array_dtype_mds_cannot_hold_is_refused_naming_the_field():
         infer_mds_columns([{"id": 1, "mask": np.array([True, False])}])
     with pytest.raises(FormatError, match="field 'flag'.*bool arrays"):
         infer_mds_columns([{"flag": torch.tensor(True)}])
+
+
+def test_a_line_with_a_long_digit_run_is_judged_as_any_other_line(tmp_path):
+    """The exact-integer reading of a line with 19 digits in a row (json) took what orjson refuses: 1e400
+    became inf, a lone surrogate stopped the conversion, deep nesting raised RecursionError out of it."""
+    digits = "1234567890123456789012"
+    lines = [f'{{"id": 1, "x": 1e400, "s": "{digits}"}}', f'{{"id": 2, "s": "\\ud800{digits}"}}',
+             '{"id": 3, "d": ' + "[" * 5000 + "]" * 5000 + f', "s": "{digits}"}}', f'{{"id": 4, "s": "{digits}"}}']
+    src = tmp_path / "rows.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    stats = ConversionStats()
+    assert [r["id"] for r in iter_jsonl(str(src), stats)] == [4] and stats.skipped == 3

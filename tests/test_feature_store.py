@@ -1195,6 +1195,9 @@ def test_numpy_values_in_either_byte_order_and_uint64_defaults_past_int64_are_ta
                 u=np.array([2**64 - 1, 5], ">u8"))
     got = store.get([1, 2])
     assert got["f"].tolist() == [[2, 1], [4, 3]] and got["u"].tolist() == [2**64 - 1, 5]
+    with store.writer() as w:  # (a list of Python ints past int64: torch's "Overflow when unpacking long long")
+        w.write([3, 4], f=[[0, 0], [0, 0]], u=[2**64 - 1, 0])
+    assert store.get([3, 4])["u"].tolist() == [2**64 - 1, 0]
     for fill in (2**64 - 1, np.uint64(2**64 - 1)):
         assert store.get([9], missing={"f": 0, "u": fill})["u"].tolist() == [2**64 - 1]
     with pytest.raises(ValueError, match="missing= for column 'u'"):

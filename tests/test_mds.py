@@ -607,10 +607,11 @@ def test_a_rewrite_with_exist_ok_replaces_the_dataset_and_a_dead_one_leaves_no_i
         for i in range(10):
             w.write({"x": i})
     (out / "README").write_text("kept")
+    (out / "shard.20240101.log").write_text("kept: not a name MDS writers give")
     with MDSWriter(str(out), {"x": "int"}, compression="gz", exist_ok=True) as w:
         for i in range(10):
             w.write({"x": 100 + i})
-    assert sorted(os.listdir(out)) == ["README", "index.json", "shard.00000.mds.gz"]
+    assert sorted(os.listdir(out)) == ["README", "index.json", "shard.00000.mds.gz", "shard.20240101.log"]
     assert [int(s["x"]) for s in MDSDataset(str(out))] == list(range(100, 110))
     with pytest.raises(RuntimeError, match="died"), MDSWriter(str(out), {"x": "int"}, size_limit=64,
                                                                exist_ok=True) as w:

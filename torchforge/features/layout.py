@@ -423,7 +423,14 @@ def as_values(v: Any) -> torch.Tensor:
     if isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biufc":
         native = np.dtype(f"{v.dtype.kind}{v.dtype.itemsize}")  # native order, numpy's canonical type
         return torch.from_numpy(np.ascontiguousarray(v, native).reshape(np.shape(v)))  # (a scalar stays 0-d)
-    return torch.as_tensor(v)
+    try:
+        return torch.as_tensor(v)
+    except (OverflowError, RuntimeError, ValueError):  # a list holding ints past int64 (a uint64 column's)
+        a = np.asarray(v, dtype=object)
+        ints = a.size and all(type(x) is int for x in a.flat)
+        if not ints or min(a.flat) < 0 or max(a.flat) >= 2**64:
+            raise
+        return as_values(a.astype(np.uint64))
 
 
 def check_cast(v: torch.Tensor, out: torch.Tensor, name: str, ids: np.ndarray | None = None) -> None:

@@ -156,7 +156,9 @@ def _parse_size(size_limit: int | str | None) -> int | None:
     return value or None
 
 
-_DATASET_FILE = re.compile(r"shard\.\d{5,}\.[a-z]+(\.[a-z0-9]+)?|\.?index\.json(\.tmp)?")
+# the names MDS writers give shards (Streaming's formats, its compressions' extensions) and the index
+_DATASET_FILE = re.compile(r"shard\.\d{5,}\.(mds|csv|tsv|jsonl|xsv)(\.(zstd|zst|gz|bz2|br|snappy))?"
+                           r"|\.?index\.json(\.tmp)?")
 
 
 def _remove_dataset(folder: str) -> None:

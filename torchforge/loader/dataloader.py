@@ -15,7 +15,7 @@ from torch.utils.data.dataloader import _DatasetKind
 from torchforge.loader.fetch import carried_part
 from torchforge.loader.iterator import InProcessIter, WorkerIter
 from torchforge.loader.slabs import SlabPool
-from torchforge.loader.state import STATE_VERSION, Position, get_rng, sampler_of, set_rng
+from torchforge.loader.state import STATE_VERSION, Position, batch_samples, get_rng, sampler_of, set_rng
 
 __all__ = ["DataLoader"]
 
@@ -36,13 +36,13 @@ def _dataset_version(dataset: Any) -> str | None:
 
 
 def _rebatched(state: dict[str, Any], batch_size: int | None) -> int | None:
-    """The batches of ``batch_size`` a pass resumed from ``state`` skips: the state's own, unless it was
-    saved with another batch size and resumes by skipping batches (its sampler cannot say a sample
-    position), where its samples are that many new batches; None if they are not a whole number of them.
-    (Skipping the saved count of new batches repeated or lost samples.)"""
-    saved = state.get("batch_size")
-    if not state.get("skip_batches") or state.get("finished") or saved is None or batch_size is None or \
-            saved == batch_size:
+    """The batches of ``batch_size`` samples (:func:`batch_samples`: 1 unbatched, None for a batch
+    sampler's) a pass resumed from ``state`` skips: the state's own, unless it was saved with batches of
+    another size and resumes by skipping batches (its sampler cannot say a sample position), where its
+    samples are that many new batches; None if they are not a whole number of them. (Skipping the saved
+    count of new batches repeated or lost samples.) Into a batch sampler's batches, the state's count."""
+    saved = state.get("batch_size", batch_size)  # (a state saved before it was recorded: the same)
+    if not state.get("skip_batches") or state.get("finished") or batch_size is None or saved == batch_size:
         return int(state["batches"])
     samples = int(state["samples"])
     return None if state.get("extra") or samples % batch_size else samples // batch_size
@@ -244,9 +244,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                              f"of order (in_order=False: batches {state['extra'][:8]} ahead of batch "
                              f"{state['batches']}); it resumes at that world size only, not at "
                              f"{target.world_size}")
-        if _rebatched(state, self.batch_size) is None:
+        if _rebatched(state, batch_samples(self)) is None:
             raise ValueError(f"the state was saved after {state['samples']} samples in batches of "
-                             f"{state['batch_size']}, and this loader's batches of {self.batch_size} do not end "
+                             f"{state['batch_size']}, and this loader's batches of {batch_samples(self)} do not end "
                              "there" + (f" (batches {state['extra'][:8]} were yielded ahead, in_order=False)"
                                         if state.get("extra") else "") +
                              ": resume with a batch size that divides it, or with a GlobalSampler (it resumes "
@@ -267,7 +267,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if state["dataset"] is not None:
             self.dataset.load_state_dict(state["dataset"])
         if not finished:
-            self._resume = dict(state, batches=_rebatched(state, self.batch_size))
+            self._resume = dict(state, batches=_rebatched(state, batch_samples(self)))
             self._epoch_at_load = getattr(target, "epoch", None)
             return
         self._resume = None

@@ -74,6 +74,14 @@ def _state(g: torch.Generator | None) -> torch.Tensor:
     return torch.get_rng_state() if g is None else g.get_state()
 
 
+def batch_samples(loader: Any) -> int | None:
+    """The sampler indices of each of ``loader``'s batches: its ``batch_size``, 1 without batching
+    (``batch_size=None``), None for a ``batch_sampler``'s batches (of any size)."""
+    if not loader._auto_collation:
+        return 1
+    return loader.batch_size
+
+
 class Position:
     """Where a pass stands, kept by the loader beyond the iterator's life (``break`` ends an iterator,
     not the position): what :meth:`state_dict` is made of."""
@@ -133,7 +141,7 @@ class Position:
             "version": STATE_VERSION,
             "finished": finished,
             "batches": self.batches,
-            "batch_size": loader.batch_size,  # (None: a batch_sampler's batches, or batch_size=None)
+            "batch_size": batch_samples(loader),  # (None: a batch_sampler's batches, of any size)
             "extra": sorted(self.extra),
             "samples": self.samples,
             "base_seed": None if self.base_seed is None else int(self.base_seed),
