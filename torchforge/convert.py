@@ -334,32 +334,25 @@ def writer_class(to: str) -> type:
 
 
 def _writer(to: str, dst: str, start_pass: Callable[[ConversionStats], Iterable[Any]], options: dict[str, Any]):
+    cls = writer_class(to)
     if to == "jinx":
-        from torchforge.formats.jinx import JinxWriter
-
-        _check_options(to, JinxWriter, options, ("path",))
-        return JinxWriter(dst, **options)
+        _check_options(to, cls, options, ("path",))
+        return cls(dst, **options)
     if to == "mds":
-        from torchforge.formats.mds import MDSWriter
-
-        _check_options(to, MDSWriter, options, ("out",))
+        _check_options(to, cls, options, ("out",))
         columns = options.pop("columns", None) or infer_mds_columns(start_pass(ConversionStats(quiet=True)))
         if not columns:
             raise FormatError("the source holds no samples to infer MDS columns from: give them (columns=, "
                               "--columns) to write an empty MDS dataset")
-        return MDSWriter(out=dst, columns=columns, **options)
-    if to == "safetensors":
-        from torchforge.datasets.safetensors import SafetensorsShardWriter
-
-        _check_options(to, SafetensorsShardWriter, options, ("out",))
-        n = 0
-        for n, sample in enumerate(start_pass(ConversionStats(quiet=True)), 1):  # refuse before writing anything
-            _tensor_row(sample, n - 1)
-        if n == 0:
-            raise FormatError("the source holds no samples: a safetensors dataset is its shards' columns, and "
-                              "an empty one has none to write")
-        return _TensorRows(SafetensorsShardWriter(dst, **options))
-    raise TorchforgeError(f"{to=} is not one of {list(TARGETS)}")
+        return cls(out=dst, columns=columns, **options)
+    _check_options(to, cls, options, ("out",))  # safetensors
+    n = 0
+    for n, sample in enumerate(start_pass(ConversionStats(quiet=True)), 1):  # refuse before writing anything
+        _tensor_row(sample, n - 1)
+    if n == 0:
+        raise FormatError("the source holds no samples: a safetensors dataset is its shards' columns, and "
+                          "an empty one has none to write")
+    return _TensorRows(cls(dst, **options))
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, progress: bool = False,

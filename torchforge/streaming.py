@@ -12,8 +12,8 @@ Streaming's; sample access goes through one memory map per shard instead of an `
 and per-sample compression (``"compression": "sample::zstd"``, MLDataForge's layout) becomes readable.
 A process keeps at most :data:`MAX_OPEN_SHARDS` shards mapped (each holds two file descriptors), and
 no more than a quarter of the descriptors the rest of the process leaves free (Streaming's own use grows
-with every dataset alive on the machine): beyond that the map least recently opened and not used since the last sweep is closed (a "clock"),
-and reopened on its next access, so datasets of many thousands of shards stay within the process's
+with every dataset alive on the machine): beyond that the map least recently opened and not used since
+the last sweep is closed (a "clock"), and reopened on its next access, so datasets of many thousands of shards stay within the process's
 file descriptor and memory-map limits.
 :func:`unpatch` restores Streaming's reader. Importing this module does not import Streaming;
 :func:`patch` does.
@@ -39,7 +39,7 @@ _lock = threading.Lock()
 MAX_OPEN_SHARDS = max(2, min(4096, open_files_limit() // 4))
 _opened: collections.deque[weakref.ref] = collections.deque()  # readers in the order they mapped
 _opened_lock = threading.Lock()
-_budget_now, _budget_at = 2, [0, 0]  # the budget last counted; the maps then, and admits since
+_budget_now, _counted_maps, _admits_since = 2, 0, 0  # the budget last counted; the maps then; admits since
 
 
 def _budget() -> int:
@@ -63,16 +63,16 @@ def _admit(reader: Any) -> None:
     after the budget's lock is released (closing takes the reader's own lock, which ``_open`` holds
     while it maps: one order of locks, no deadlock).
     """
-    global _budget_at, _budget_now
+    global _budget_now, _counted_maps, _admits_since
     victims = []
     with _opened_lock:
         if not reader._admitted:
             reader._admitted = True
             _opened.append(weakref.ref(reader))
-        _budget_at[1] += 1
-        if len(_opened) > 2 and (len(_opened) > _budget_at[0] or _budget_at[1] >= 64):
+        _admits_since += 1
+        if len(_opened) > 2 and (len(_opened) > _counted_maps or _admits_since >= 64):
             # (counting descriptors costs: again when the maps outgrow those counted, or every 64th admit)
-            _budget_now, _budget_at = _budget(), [len(_opened), 0]
+            _budget_now, _counted_maps, _admits_since = _budget(), len(_opened), 0
         budget = min(MAX_OPEN_SHARDS, _budget_now)
         sweeps = 2 * len(_opened)  # a sweep clears the used flags, so two rounds always find one
         while len(_opened) > budget and sweeps:
@@ -124,7 +124,7 @@ def _build_reader_class() -> type:
                      "column_names": column_names, "column_sizes": column_sizes, "compression": compression,
                      "hashes": hashes, "samples": samples, "size_limit": size_limit,
                      "raw_data": _info_dict(raw_data), "zip_data": _info_dict(zip_data)}
-            where = os.path.join(dirname, split or "", raw_data.basename)
+            where = self._where = os.path.join(dirname, split or "", raw_data.basename)  # (errors name it)
             self._meta = parse_shard_entry(entry, "shard", where)
             per_sample = self._meta.compression is not None and self._meta.compression.per_sample
             # Per-sample compression is invisible to Streaming's file handling: no zip files exist.
@@ -269,8 +269,7 @@ def _build_reader_class() -> type:
         def __setstate__(self, state: dict[str, Any]) -> None:
             self.__dict__.update(state)
             self._fd, self._lock = -1, threading.Lock()
-            where = os.path.join(self.dirname, self.split or "", self._meta.raw_basename)  # (as __init__ names it)
-            self._decoder = SampleDecoder(self._meta, where, allow_unsafe_types=True)
+            self._decoder = SampleDecoder(self._meta, self._where, allow_unsafe_types=True)
 
     MDSStreamingReader.__module__ = __name__
     MDSStreamingReader.__qualname__ = "MDSStreamingReader"

@@ -414,18 +414,16 @@ def _read_json(path: str) -> Any:
 
 def as_values(v: Any) -> torch.Tensor:
     """A column's values (or a ``missing=`` default) as a tensor, before the cast to the column's dtype:
-    a numpy array as it is (its byte order made native), a numpy scalar or a Python int past int64 (a
-    uint64 column's ``2**64 - 1``) through numpy, anything else through ``torch.as_tensor``."""
+    a numpy array or scalar as it is (its byte order made native), anything else through
+    ``torch.as_tensor``, or as uint64 where it holds ints past int64 (a uint64 column's ``2**64 - 1``)."""
     if isinstance(v, torch.Tensor):
         return v
-    if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
-        v = np.asarray(v)  # uint64 when it fits there, else an object array, refused below
     if isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biufc":
         native = np.dtype(f"{v.dtype.kind}{v.dtype.itemsize}")  # native order, numpy's canonical type
         return torch.from_numpy(np.ascontiguousarray(v, native).reshape(np.shape(v)))  # (a scalar stays 0-d)
     try:
         return torch.as_tensor(v)
-    except (OverflowError, RuntimeError, ValueError):  # a list holding ints past int64 (a uint64 column's)
+    except (OverflowError, RuntimeError, ValueError):  # ints past int64 (one, or a list's)
         a = np.asarray(v, dtype=object)
         ints = a.size and all(type(x) is int for x in a.flat)
         if not ints or min(a.flat) < 0 or max(a.flat) >= 2**64:

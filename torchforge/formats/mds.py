@@ -188,7 +188,8 @@ class MDSWriter:
             (:mod:`torchforge.sizes`: ``"64MiB"`` is 2**26, ``"64MB"`` 64*10**6; Streaming reads
             ``"64mb"`` as 2**26, torchforge as 64*10**6); must be below 2**32. ``None`` puts everything in one shard (still capped at 2**32 - 1).
         exist_ok: allow a non-empty ``out``: the MDS dataset there is removed first, its ``index.json``
-            before its shards (``shard.NNNNN.*``, the decompressed copies a reader leaves included), so a
+            before its shards (the names MDS writers give, ``shard.NNNNN.mds[.zstd]`` and the like, the
+            decompressed copies a reader leaves included), so a
             rewrite that dies leaves no index over a mix of old and new shards, and no stale shard is read
             for a new one; other files stay. (Streaming's writer removes all of the folder's contents.)
 

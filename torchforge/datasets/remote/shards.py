@@ -217,10 +217,10 @@ class _RemoteShards:
             except RemoteNotFoundError as e:
                 return e
 
-        canary = f"{self.url}/.torchforge-no-such-object-{uuid.uuid4().hex}"
-        if not isinstance(head(client, canary.rsplit("/", 1)[1]), RemoteNotFoundError):
+        canary = f".torchforge-no-such-object-{uuid.uuid4().hex}"
+        if not isinstance(head(client, canary), RemoteNotFoundError):
             # (a "soft 404": the probe below would look for shard after shard for ever)
-            raise RemoteError(f"the server answers for an object that does not exist ({canary}), so missing "
+            raise RemoteError(f"the server answers for an object that does not exist ({self.url}/{canary}), so missing "
                               "shards cannot be told from present ones and the dataset's end cannot be found: "
                               "serve it from a server that answers 404 for a missing path (or from object "
                               "storage, which lists a folder)", url=self.url)
